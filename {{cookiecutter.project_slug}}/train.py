@@ -1,0 +1,6 @@
+"""Start training: `torchrun --standalone --nproc-per-node=2 train.py --epochs 3` (see README.md)."""
+
+from {{ cookiecutter.package_name }}.train import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

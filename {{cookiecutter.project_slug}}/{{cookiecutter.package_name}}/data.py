@@ -1,0 +1,118 @@
+"""Data: a synthetic regression task, a tensor-file data set, and a DataLoader that cuts whole
+batches by tensor indexing (one gather per batch instead of one `__getitem__` per sample).
+
+Replace `build_dataset` with your own data. Anything with `__len__` and a `__getitem__` that
+accepts a tensor of indices works unchanged; a per-sample data set works too if you build the
+DataLoader with `batch_size=` instead of the batch sampler below.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from .distributed import SetupError
+
+IN_FEATURES = 20
+
+
+class TensorPairDataset(Dataset):
+    """Inputs and targets held in memory as two tensors with the same first dimension."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if x.shape[0] != y.shape[0]:
+            raise SetupError(f"data: {x.shape[0]} inputs but {y.shape[0]} targets; they must match")
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, index: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index], self.y[index]
+
+
+def synthetic_regression(size: int, seed: int, in_features: int = IN_FEATURES) -> TensorPairDataset:
+    """A smooth non-linear target plus a little noise: an MLP fits it, a linear model does not.
+
+    Seeded by its own generator so every rank builds the identical data set.
+    """
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, in_features, generator=g)
+    w = torch.randn(in_features, 1, generator=g) / math.sqrt(in_features)
+    v = torch.randn(in_features, 1, generator=g) / math.sqrt(in_features)
+    y = torch.sin(x @ w) + 0.5 * (x @ v) + 0.05 * torch.randn(size, 1, generator=g)
+    return TensorPairDataset(x, y)
+
+
+def save_tensor_file(path: str | Path, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Write a data file that `--data PATH` reads."""
+    torch.save({"x": x, "y": y}, path)
+
+
+def load_tensor_file(path: str | Path) -> TensorPairDataset:
+    """Read `{'x': inputs, 'y': targets}` written by `save_tensor_file` (or any torch.save of that dict)."""
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise SetupError(f"--data {path}: cannot read it as a tensor file ({type(exc).__name__}); "
+                         "write it with torch.save({'x': inputs, 'y': targets}, path)") from None
+    if not isinstance(blob, dict) or not {"x", "y"} <= blob.keys():
+        raise SetupError(f"--data {path}: expected a dict with tensors 'x' and 'y'")
+    x, y = blob["x"].float(), blob["y"].float()
+    if y.dim() == 1:
+        y = y.unsqueeze(1)
+    return TensorPairDataset(x, y)
+
+
+class DistributedBatchSampler:
+    """Yields this rank's batches as index tensors, from a DistributedSampler.
+
+    `set_epoch(epoch, start_batch)` reshuffles (the step people forget) and can skip the batches
+    already trained, so a run resumed mid-epoch sees exactly the batches it would have seen.
+    """
+
+    def __init__(self, sampler: DistributedSampler, batch_size: int) -> None:
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.start_batch = 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.sampler.set_epoch(epoch)
+        self.start_batch = start_batch
+
+    def batches_per_epoch(self) -> int:
+        return math.ceil(len(self.sampler) / self.batch_size)
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch() - self.start_batch
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        indices = torch.tensor(list(self.sampler))
+        for start in range(self.start_batch * self.batch_size, len(indices), self.batch_size):
+            yield indices[start:start + self.batch_size]
+
+
+def build_dataset(data_path: str | None, dataset_size: int, seed: int) -> TensorPairDataset:
+    return load_tensor_file(data_path) if data_path else synthetic_regression(dataset_size, seed)
+
+
+def build_loader(dataset: Dataset, rank: int, world_size: int, batch_size: int, seed: int,
+                 num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
+    """Every rank gets its own shard of each epoch; all ranks get the same number of batches.
+
+    The DistributedSampler pads the shards to equal length, so no rank waits for a step the others
+    never take.
+    """
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    return DataLoader(
+        dataset,
+        sampler=DistributedBatchSampler(sampler, batch_size),
+        batch_size=None,  # the sampler already yields whole batches
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+    )

@@ -1,0 +1,111 @@
+"""Entry point: parse flags, find out who we are, set up the process group, train, tear down.
+
+Works under every launcher (see the README); with `--nprocs N` and no launcher it starts N processes
+itself with `torch.multiprocessing`.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .config import Config, parse_args
+from .data import build_dataset, build_loader
+from .distributed import (
+    SetupError,
+    World,
+    assign_devices,
+    cleanup,
+    ddp_setup,
+    find_free_port,
+    report_error,
+    resolve_backend,
+    resolve_world,
+)
+from .model import build_model
+from .trainer import Trainer
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run(cfg: Config, world: World) -> dict:
+    """Train as one process of `world`. The process group is always torn down, even on errors."""
+    cuda_count = torch.cuda.device_count()
+    backend = resolve_backend(cfg.backend, cuda_count, dist.is_nccl_available())
+    devices = assign_devices(world.local_rank, world.local_world_size, cuda_count, cfg.model_layout,
+                             cfg.stage_devices)
+    try:
+        ddp_setup(world, backend, cfg.init_method, cfg.timeout_s, devices, rendezvous_dir=_rendezvous_dir(cfg))
+        if world.is_main:
+            print(f"world: {world.world_size} process(es), launcher {world.launcher}, backend {backend}, "
+                  f"rank 0 on {', '.join(map(str, devices))}", flush=True)
+        seed_everything(cfg.seed)  # the same initial model on every rank
+        dataset = build_dataset(cfg.data, cfg.dataset_size, cfg.seed)
+        loader = build_loader(dataset, world.rank, world.world_size, cfg.batch_size, cfg.seed,
+                              cfg.num_workers, pin_memory=devices[0].type == "cuda")
+        model = build_model(cfg.model_layout, devices, cfg.hidden_size, cfg.num_layers)
+        trainer = Trainer(cfg, world, model, loader, devices, backend)
+        seed_everything(cfg.seed + world.rank)  # different random streams per rank from here on
+        trainer.resume()
+        return trainer.train()
+    finally:
+        cleanup()
+
+
+def _rendezvous_dir(cfg: Config) -> Path:
+    """Where `--init-method file` keeps its store file: under the output dir, which multi-node runs share."""
+    return Path(cfg.output_dir) / "rendezvous"
+
+
+def _spawn_worker(index: int, cfg: Config, nprocs: int, port: int, run_id: str) -> None:
+    world = World(rank=index, local_rank=index, world_size=nprocs, local_world_size=nprocs,
+                  launcher="spawn", master_addr="127.0.0.1", master_port=port, run_id=run_id)
+    try:
+        run(cfg, world)
+    except SetupError as exc:
+        report_error(exc)
+        sys.exit(1)
+
+
+def spawn(cfg: Config) -> int:
+    """Start `cfg.nprocs` processes on this machine. A free port is picked here, so parallel runs don't
+    collide; if one child fails, the others are stopped and the run exits non-zero."""
+    port = find_free_port()
+    run_id = f"spawn-{uuid.uuid4().hex[:8]}"
+    try:
+        mp.start_processes(_spawn_worker, args=(cfg, cfg.nprocs, port, run_id), nprocs=cfg.nprocs,
+                           start_method="spawn")
+    except mp.ProcessExitedException as exc:
+        print(f"error: worker {exc.error_index} exited with code {exc.exit_code}; see its message above",
+              file=sys.stderr, flush=True)
+        return 1
+    except mp.ProcessRaisedException as exc:
+        last = str(exc).strip().splitlines()[-1]
+        print(f"{exc}\nerror: worker {exc.error_index} failed: {last}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    try:
+        world = resolve_world(local_rank_flag=cfg.local_rank)
+        if cfg.nprocs > 1:
+            if world.launcher != "none":
+                raise SetupError(f"--nprocs starts processes itself, but this one was started by {world.launcher}; "
+                                 "drop --nprocs (the launcher sets the process count)")
+            return spawn(cfg)
+        run(cfg, world)
+    except SetupError as exc:
+        report_error(exc)
+        return 1
+    return 0

@@ -1,0 +1,285 @@
+"""The training loop: `_run_batch` -> `_run_epoch` -> `train`, plus checkpoints and logging.
+
+Per step it does what a hand-written DDP loop does and nothing more: the loss stays on the device and
+is only averaged across ranks (one all_reduce, one host sync) every `--log-every` steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+from .checkpoint import load_for_resume, save_checkpoint
+from .config import Config
+from .distributed import SetupError, World
+from .metrics import MetricsWriter
+
+AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
+    """Multiplier of the peak LR at a step: linear warm-up, then constant or cosine decay to 0."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, world: World, model: nn.Module, loader: DataLoader,
+                 devices: list[torch.device], backend: str) -> None:
+        self.cfg, self.world, self.loader, self.backend = cfg, world, loader, backend
+        self.input_device, self.output_device = devices[0], devices[-1]
+        self.raw_model = model
+        # A model spread over two devices (or on CPU) is wrapped without device_ids.
+        single_cuda = len(set(devices)) == 1 and devices[0].type == "cuda"
+        self.model: nn.Module = DDP(
+            model,
+            device_ids=[devices[0]] if single_cuda else None,
+            find_unused_parameters=cfg.find_unused_parameters,
+        )
+        if cfg.compile:
+            self.model = torch.compile(self.model)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        steps_per_epoch = math.ceil(loader.sampler.batches_per_epoch() / cfg.grad_accum)
+        total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
+        self.amp_dtype = AMP_DTYPES[cfg.precision]
+        if cfg.precision == "fp16" and self.input_device.type != "cuda":
+            raise SetupError("--precision fp16 needs CUDA (it relies on a GradScaler); use --precision bf16 on CPU")
+        self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16")
+
+        # Position: the epoch being trained, the batches of it already done, optimizer steps in total.
+        self.epoch, self.batch_in_epoch, self.step = 0, 0, 0
+        self.resumed_from: str | None = None
+        self.last_loss: float | None = None
+        self._saved_step = -1
+        self._loss_sum = torch.zeros((), device=self.output_device)
+        self._loss_count = 0
+        self._samples = 0  # samples this rank has trained on since the last log
+        self._samples_total = 0
+
+    # ---------------------------------------------------------------- resume
+    def resume(self) -> None:
+        """Apply `--resume`. Rank 0 chooses the checkpoint and every rank loads that same file."""
+        choice: list[Any] = [None]
+        loaded = None
+        if self.world.is_main:
+            try:
+                loaded = load_for_resume(self.cfg.resume, self.cfg.checkpoint_dir)
+                choice[0] = ("ok", str(loaded[0]) if loaded else None)
+            except SetupError as exc:
+                choice[0] = ("error", str(exc))  # tell the other ranks instead of leaving them waiting
+        dist.broadcast_object_list(choice, src=0)
+        status, value = choice[0]
+        if status == "error":
+            raise SetupError(value, quiet=not self.world.is_main)
+        if value is None:
+            return
+        state = loaded[1] if loaded else torch.load(value, map_location="cpu", weights_only=True)
+        self._restore(state)
+        self.resumed_from = value
+        self._saved_step = self.step
+        if self.world.is_main:
+            print(f"resumed from {value} (epoch {self.epoch}, batch {self.batch_in_epoch}, step {self.step})",
+                  flush=True)
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        same_world = state["world_size"] == self.world.world_size
+        if state["batch_in_epoch"] and not same_world:
+            raise SetupError(
+                f"checkpoint was saved mid-epoch by {state['world_size']} processes, this run has "
+                f"{self.world.world_size}; resume it with {state['world_size']} or from an end-of-epoch checkpoint")
+        if state["batch_in_epoch"] and (state["batch_size"], state["grad_accum"]) != (
+                self.cfg.batch_size, self.cfg.grad_accum):
+            raise SetupError("checkpoint was saved mid-epoch with another --batch-size/--grad-accum; "
+                             "resume with the same values")
+        self.raw_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.batch_in_epoch, self.step = state["epoch"], state["batch_in_epoch"], state["step"]
+        self.last_loss = state.get("last_loss")
+        if same_world:
+            _set_rng_state(state["rng"][self.world.rank], self.input_device)
+
+    # ---------------------------------------------------------------- checkpoints
+    def _save_snapshot(self) -> None:
+        """Every rank hands its RNG state to rank 0, rank 0 writes, and nobody goes on before it is done."""
+        rng_states: list[Any] = [None] * self.world.world_size
+        dist.all_gather_object(rng_states, _rng_state(self.input_device))
+        if self.world.is_main:
+            state = {
+                "model": self.raw_model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+                "epoch": self.epoch,
+                "batch_in_epoch": self.batch_in_epoch,
+                "step": self.step,
+                "world_size": self.world.world_size,
+                "batch_size": self.cfg.batch_size,
+                "grad_accum": self.cfg.grad_accum,
+                "last_loss": self.last_loss,
+                "rng": rng_states,
+                "config": self.cfg.to_dict(),
+            }
+            save_checkpoint(state, self.cfg.checkpoint_dir, self.step, self.cfg.keep_last)
+        dist.barrier()
+        self._saved_step = self.step
+
+    # ---------------------------------------------------------------- training
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor, sync: bool, divisor: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch; gradients are all-reduced only when `sync`."""
+        # no_sync must cover the backward too: that is where DDP's all-reduce hooks fire.
+        with self.model.no_sync() if not sync else contextlib.nullcontext():
+            with torch.autocast(self.input_device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                out = self.model(x)
+            loss = F.mse_loss(out.float(), y)
+            self.scaler.scale(loss / divisor).backward()
+        return loss.detach()
+
+    def _optimizer_step(self) -> None:
+        if self.cfg.clip_grad > 0:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.clip_grad)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def _run_epoch(self, epoch: int) -> None:
+        batch_sampler = self.loader.sampler
+        batch_sampler.set_epoch(epoch, self.batch_in_epoch)  # a new shuffle each epoch, on every rank
+        total = batch_sampler.batches_per_epoch()
+        accum = self.cfg.grad_accum
+        bar = self._progress_bar(epoch, total)
+        for i, (x, y) in enumerate(self.loader, start=self.batch_in_epoch):
+            x = x.to(self.input_device, non_blocking=True)
+            y = y.to(self.output_device, non_blocking=True)
+            group_start = i - i % accum
+            group_size = min(accum, total - group_start)  # the last group of an epoch may be short
+            last_in_group = i == group_start + group_size - 1
+            self._loss_sum += self._run_batch(x, y, sync=last_in_group, divisor=group_size)
+            self._loss_count += 1
+            self._samples += x.shape[0]
+            self._samples_total += x.shape[0]
+            if bar is not None:
+                bar.update()
+            if not last_in_group:
+                continue
+            self._optimizer_step()
+            self.step += 1
+            self.batch_in_epoch = i + 1
+            if self.step % self.cfg.log_every == 0 or i + 1 == total:
+                self._log(epoch, bar)
+            if self._done():
+                break
+            if self.cfg.save_every_steps and self.step % self.cfg.save_every_steps == 0 and i + 1 < total:
+                self._save_snapshot()
+        if bar is not None:
+            bar.close()
+        if self.batch_in_epoch == total:
+            self.epoch, self.batch_in_epoch = epoch + 1, 0
+
+    def _done(self) -> bool:
+        return self.epoch >= self.cfg.epochs or bool(self.cfg.max_steps and self.step >= self.cfg.max_steps)
+
+    def _log(self, epoch: int, bar: Any) -> None:
+        """Average the loss over ranks and steps since the last log: the only host sync in the loop."""
+        if self._loss_count == 0:
+            return
+        stats = torch.stack([self._loss_sum.float(), torch.tensor(float(self._loss_count), device=self.output_device)])
+        dist.all_reduce(stats)
+        loss = (stats[0] / stats[1]).item()
+        now = time.perf_counter()
+        samples_per_s = self._samples * self.world.world_size / max(now - self._last_log_time, 1e-9)
+        self.last_loss = loss
+        self._loss_sum.zero_()
+        self._loss_count, self._samples, self._last_log_time = 0, 0, now
+        record = {"step": self.step, "epoch": epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                  "samples_per_s": round(samples_per_s, 1), "time_s": round(now - self._start_time, 3)}
+        self.metrics.log(record)
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.4f}")
+        elif self.world.is_main:
+            print(f"epoch {epoch} step {self.step} loss {loss:.5f} samples/s {samples_per_s:.0f}", flush=True)
+
+    def _progress_bar(self, epoch: int, total: int):
+        if not (self.cfg.progress and self.world.is_main):
+            return None
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return None
+        return tqdm(total=total, initial=self.batch_in_epoch, desc=f"epoch {epoch}", file=sys.stderr,
+                    dynamic_ncols=True, leave=False)
+
+    def train(self) -> dict[str, Any]:
+        """Train until --epochs (or --max-steps), saving as configured; returns the run summary."""
+        self.metrics = MetricsWriter(self.cfg.output_dir, self.world.is_main, self.cfg.tracker,
+                                     append=self.resumed_from is not None)
+        self._start_time = self._last_log_time = time.perf_counter()
+        try:
+            while not self._done():
+                self._run_epoch(self.epoch)
+                at_epoch_end = self.batch_in_epoch == 0
+                if at_epoch_end and self.cfg.save_every and self.epoch % self.cfg.save_every == 0:
+                    self._save_snapshot()
+            if self.step != self._saved_step:
+                self._save_snapshot()
+            wall = time.perf_counter() - self._start_time
+            summary = {
+                "world_size": self.world.world_size,
+                "backend": self.backend,
+                "launcher": self.world.launcher,
+                "epochs_completed": self.epoch,
+                "steps": self.step,
+                "final_loss": self.last_loss,
+                # Every rank trains on the same number of samples (the sampler pads), so this is exact.
+                "samples_per_s": round(self._samples_total * self.world.world_size / max(wall, 1e-9), 1),
+                "wall_time_s": round(wall, 3),
+                "resumed_from": self.resumed_from,
+                "checkpoint_dir": str(Path(self.cfg.checkpoint_dir)),
+            }
+            path = self.metrics.write_summary(summary)
+        finally:
+            self.metrics.close()
+        if self.world.is_main:
+            print(f"done: {self.step} steps, final loss {self.last_loss}, "
+                  f"checkpoints in {self.cfg.checkpoint_dir}, summary in {path}", flush=True)
+        return summary
