@@ -1,0 +1,85 @@
+"""Refuse answers that cannot give a working project, before any file is written.
+
+Each problem prints one line, `ERROR: <variable> <value>: <why>; <what would work>`, and exits 1.
+"""
+
+import json
+import keyword
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+# The answers arrive as JSON so quotes or backslashes in free text cannot break this file.
+ANSWERS = json.loads(r"""{{ cookiecutter | tojson }}""")
+
+# Packages the generated project imports, and its own top-level names: a package with one of these
+# names would shadow them.
+TAKEN = {"torch", "tqdm", "tensorboard", "numpy", "pytest", "ruff", "setuptools", "pip", "train", "tests",
+         "scripts", "conftest"}
+SLUG = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+
+
+def truthy(value) -> bool:
+    return value is True or str(value).strip().lower() in {"true", "yes", "y", "1", "on"}
+
+
+def problems(a: dict) -> list[str]:
+    found = []
+    slug, package = str(a["project_slug"]), str(a["package_name"])
+    if "/" in slug or "\\" in slug:
+        found.append(f"project_slug {slug!r} contains a path separator; use a plain folder name like 'my-project'")
+    elif not SLUG.match(slug):
+        found.append(f"project_slug {slug!r} must be lower-case letters, digits, '-' or '_' and start with a "
+                     "letter or digit; use something like 'my-project'")
+    if not package.isidentifier() or not package.isascii():
+        found.append(f"package_name {package!r} is not a valid Python identifier; use letters, digits and '_', "
+                     "not starting with a digit, like 'my_project'")
+    elif keyword.iskeyword(package) or keyword.issoftkeyword(package):
+        found.append(f"package_name {package!r} is a Python keyword; use something like '{package}_project'")
+    elif package in sys.stdlib_module_names or package in TAKEN:
+        found.append(f"package_name {package!r} would shadow the module of the same name; "
+                     f"use something like '{package}_project'")
+    if truthy(a["windows_support"]) and a["backend"] == "nccl":
+        found.append("backend 'nccl' cannot be used with windows_support: NCCL does not exist on Windows; "
+                     "choose backend 'gloo' or 'auto'")
+    return found
+
+
+# A slug like 'a/b' makes cookiecutter create 'a/' and then 'a/b/' before this hook runs; on failure it
+# removes only 'a/b/'. This waits for that removal, then deletes the empty folders above it (never
+# above the output folder), so a refused bake leaves nothing behind.
+_CLEANER = """
+import os, sys, time
+project, output = sys.argv[1], os.path.realpath(sys.argv[2])
+deadline = time.time() + 30
+while os.path.exists(project) and time.time() < deadline:
+    time.sleep(0.02)
+folder = os.path.dirname(project)
+while os.path.realpath(folder).startswith(output + os.sep):
+    try:
+        os.rmdir(folder)
+    except OSError:
+        break
+    folder = os.path.dirname(folder)
+"""
+
+
+def clean_up_parent_folders_later() -> None:
+    project, output = Path.cwd(), Path(ANSWERS.get("_output_dir") or ".").resolve()
+    if project.parent.resolve() != output:
+        subprocess.Popen([sys.executable, "-c", _CLEANER, str(project), str(output)],
+                         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def main() -> int:
+    found = problems(ANSWERS)
+    for problem in found:
+        print(f"ERROR: {problem}", file=sys.stderr)
+    if found:
+        clean_up_parent_folders_later()
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

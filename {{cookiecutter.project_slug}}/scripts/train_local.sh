@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Train on this machine: one process per GPU, or NPROC CPU processes (default 2) when there is no GPU.
+#   scripts/train_local.sh --epochs 10
+#   NPROC=4 scripts/train_local.sh --batch-size 64
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+if [[ -z "${NPROC:-}" ]]; then
+  # model_parallel_2 needs two GPUs per process.
+  NPROC=$("$PYTHON" -c "import torch; n = torch.cuda.device_count(); print(max(1, n // {{ 2 if cookiecutter.model_layout == 'model_parallel_2' else 1 }}) if n else 2)")
+fi
+{% if cookiecutter.launcher == "torchrun" -%}
+# --standalone: a private rendezvous on a free port, so several jobs can share the machine.
+exec torchrun --standalone --nproc-per-node="$NPROC" --max-restarts="${MAX_RESTARTS:-0}" train.py "$@"
+{%- elif cookiecutter.launcher == "spawn" -%}
+# train.py starts the processes itself with mp.spawn and picks a free port.
+exec "$PYTHON" train.py --nprocs "$NPROC" "$@"
+{%- else -%}
+# torch.distributed.launch is deprecated; the same job with torchrun is:
+#   torchrun --standalone --nproc-per-node="$NPROC" train.py "$@"
+# It passes --local-rank to train.py (add --use-env to pass LOCAL_RANK instead); both are handled.
+PORT=${MASTER_PORT:-$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")}
+exec "$PYTHON" -m torch.distributed.launch --nproc-per-node="$NPROC" --master-port="$PORT" train.py "$@"
+{%- endif %}

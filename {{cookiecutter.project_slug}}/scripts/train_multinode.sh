@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Several machines, one torchrun per machine. Run the same command on every node, changing NODE_RANK:
+#   scripts/train_multinode.sh NNODES NODE_RANK HEAD_HOST[:PORT] [train.py flags...]
+#   scripts/train_multinode.sh 2 0 10.0.0.1:29400 --epochs 10     # on the head node
+#   scripts/train_multinode.sh 2 1 10.0.0.1:29400 --epochs 10     # on the second node
+# Pass '-' as HEAD_HOST to use $MASTER_ADDR (and $MASTER_PORT, default 29400).
+# Checkpoints are written by global rank 0 and read by every rank on resume: --checkpoint-dir must be
+# on storage all nodes share.
+set -euo pipefail
+usage="usage: $0 NNODES NODE_RANK HEAD_HOST[:PORT]|- [train.py flags...]"
+NNODES=${1:?$usage}
+NODE_RANK=${2:?$usage}
+ENDPOINT=${3:?$usage}
+shift 3
+if [[ "$ENDPOINT" == "-" ]]; then
+  ENDPOINT="${MASTER_ADDR:?set MASTER_ADDR or pass HEAD_HOST}:${MASTER_PORT:-29400}"
+fi
+[[ "$ENDPOINT" == *:* ]] || ENDPOINT="$ENDPOINT:29400"
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+NPROC=${NPROC:-$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 2)")}
+exec torchrun \
+  --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC" \
+  --rdzv-backend=c10d --rdzv-endpoint="$ENDPOINT" --rdzv-id="${RDZV_ID:-ddp-job}" \
+  --max-restarts="${MAX_RESTARTS:-3}" \
+  train.py "$@"
