@@ -16,7 +16,7 @@ BAD = [
     ({"package_name": "torch"}, "package_name", "shadow"),
     ({"package_name": "train"}, "package_name", "shadow"),
     ({"project_slug": "a/b", "package_name": "ab"}, "project_slug", "path separator"),
-    ({"project_slug": "a/b/c", "package_name": "abc"}, "project_slug", "path separator"),
+    ({"project_slug": "a/b/c", "package_name": "deep"}, "project_slug", "path separator"),
     ({"project_slug": "../escape", "package_name": "escape"}, "project_slug", "path separator"),
     ({"project_slug": "My Project", "package_name": "my_project"}, "project_slug", "lower-case"),
     ({"project_name": "It's \"quoted\"", "package_name": "ok_name"}, "project_slug", "lower-case"),
