@@ -280,6 +280,6 @@ class Trainer:
         finally:
             self.metrics.close()
         if self.world.is_main:
-            print(f"done: {self.step} steps, final loss {self.last_loss}, "
-                  f"checkpoints in {self.cfg.checkpoint_dir}, summary in {path}", flush=True)
+            print(f"done: {self.step} steps, final loss {self.last_loss:.5f}\n"
+                  f"checkpoints: {Path(self.cfg.checkpoint_dir).resolve()}\nsummary: {path.resolve()}", flush=True)
         return summary

@@ -1,0 +1,24 @@
+# make demo: bake a project with the default answers into .demo/ and train it with 2 processes.
+# make test: the template's whole test suite (what CI runs).
+PYTHON ?= python3
+# Installed only when `import torch` fails. Override for your platform, e.g. TORCH="torch==2.5.1".
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test lint
+
+setup:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH)"
+	$(PYTHON) -m pip install -q -r requirements-dev.txt
+
+demo: setup
+	rm -rf .demo
+	$(PYTHON) -m cookiecutter --no-input --output-dir .demo .
+	cd .demo/ddp-project && OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc-per-node=2 \
+		train.py --epochs 3 --no-progress
+	@echo "metrics: $(CURDIR)/.demo/ddp-project/runs/latest/metrics.jsonl"
+
+lint:
+	$(PYTHON) -m ruff check .
+
+test: setup lint
+	$(PYTHON) -m pytest -q
