@@ -18,7 +18,7 @@ demo: setup
 	@echo "metrics: $(CURDIR)/.demo/ddp-project/runs/latest/metrics.jsonl"
 
 lint:
-	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff check hooks tests
 
 test: setup lint
 	$(PYTHON) -m pytest -q

@@ -70,27 +70,28 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def find_resumable(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
+def find_resumable(directory: str | Path, map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that loads, and its contents. Broken ones (a kill during a copy, a full
     disk) are skipped with a warning, so the run falls back to the one before."""
     for path in list_checkpoints(directory):
         try:
-            return path, load_checkpoint(path)
+            return path, load_checkpoint(path, map_location)
         except Exception as exc:
             print(f"warning: skipping unreadable checkpoint {path} ({type(exc).__name__}: {exc})",
                   file=sys.stderr, flush=True)
     return None
 
 
-def load_for_resume(resume: str, directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
+def load_for_resume(resume: str, directory: str | Path,
+                    map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]] | None:
     """What `--resume` asks for: `never` -> None, `auto` -> newest readable or None, else that file."""
     if resume == "never":
         return None
     if resume == "auto":
-        return find_resumable(directory)
+        return find_resumable(directory, map_location)
     path = Path(resume)
     try:
-        return path, load_checkpoint(path)
+        return path, load_checkpoint(path, map_location)
     except FileNotFoundError:
         raise SetupError(f"--resume {resume}: no such file; use --resume auto or --resume never") from None
     except Exception as exc:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from .checkpoint import load_for_resume, save_checkpoint
+from .checkpoint import load_checkpoint, load_for_resume, save_checkpoint
 from .config import Config
 from .distributed import SetupError, World
 from .metrics import MetricsWriter
@@ -51,10 +51,10 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())  # RNG states must be CPU byte tensors
     random.setstate(state["python"])
     if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
 class Trainer:
@@ -99,7 +99,7 @@ class Trainer:
         loaded = None
         if self.world.is_main:
             try:
-                loaded = load_for_resume(self.cfg.resume, self.cfg.checkpoint_dir)
+                loaded = load_for_resume(self.cfg.resume, self.cfg.checkpoint_dir, self.input_device)
                 choice[0] = ("ok", str(loaded[0]) if loaded else None)
             except SetupError as exc:
                 choice[0] = ("error", str(exc))  # tell the other ranks instead of leaving them waiting
@@ -109,7 +109,8 @@ class Trainer:
             raise SetupError(value, quiet=not self.world.is_main)
         if value is None:
             return
-        state = loaded[1] if loaded else torch.load(value, map_location="cpu", weights_only=True)
+        # Load onto this rank's own device: tensors saved from cuda:0 must not all land on cuda:0.
+        state = loaded[1] if loaded else load_checkpoint(value, map_location=self.input_device)
         self._restore(state)
         self.resumed_from = value
         self._saved_step = self.step
