@@ -70,7 +70,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def find_resumable(directory: str | Path, map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]] | None:
+def find_resumable(directory: str | Path,
+                   map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that loads, and its contents. Broken ones (a kill during a copy, a full
     disk) are skipped with a warning, so the run falls back to the one before."""
     for path in list_checkpoints(directory):
