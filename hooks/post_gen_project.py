@@ -12,7 +12,7 @@ def truthy(value) -> bool:
 
 
 UNUSED = {
-    "slurm": ["scripts/slurm"],
+    "slurm": ["scripts/slurm", "tests/test_slurm.py"],
     "windows_support": ["scripts/train_windows.ps1"],
     "github_actions": [".github"],
 }

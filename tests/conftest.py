@@ -53,12 +53,12 @@ def expected_files(package: str, answers: dict) -> set[str]:
         ".gitignore", "README.md", "pyproject.toml", "requirements.txt", "train.py",
         "scripts/train_local.sh", "scripts/train_multinode.sh",
         "tests/conftest.py", "tests/test_checkpoint.py", "tests/test_cli.py", "tests/test_data.py",
-        "tests/test_distributed.py", "tests/test_nccl.py", "tests/test_train.py",
+        "tests/test_distributed.py", "tests/test_launchers.py", "tests/test_nccl.py", "tests/test_train.py",
     }
     files |= {f"{package}/{name}.py" for name in
               ("__init__", "checkpoint", "config", "data", "distributed", "metrics", "model", "train", "trainer")}
     if answers.get("slurm", True):
-        files |= {"scripts/slurm/torchrun.sbatch", "scripts/slurm/srun.sbatch"}
+        files |= {"scripts/slurm/torchrun.sbatch", "scripts/slurm/srun.sbatch", "tests/test_slurm.py"}
     if answers.get("windows_support", False):
         files.add("scripts/train_windows.ps1")
     if answers.get("github_actions", True):

@@ -24,10 +24,12 @@ def test_baked_project_passes_its_own_tests(bake, answers):
     if answers.get("tracker") == "tensorboard":
         pytest.importorskip("tensorboard")
     project = bake(**answers)
-    result = check_ok(run([PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider"], project))
+    # The launcher tests do not depend on the answers: they run in full on the default bake only.
+    select = [] if not answers else ["-m", "not launchers"]
+    result = check_ok(run([PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", *select], project))
     summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary and "error" not in summary
-    assert "3 skipped" in summary, "only the NCCL tests may skip on a CPU machine"
+    assert re.search(r"\b3 skipped", summary), "only the NCCL tests may skip on a CPU machine"
     if answers.get("tracker") == "tensorboard":
         check_ok(run([PYTHON, "train.py", "--epochs", "1", "--no-progress"], project))
         assert list((project / "runs/latest/tensorboard").glob("events.out.tfevents.*"))

@@ -59,3 +59,23 @@ def final_model(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+@pytest.fixture
+def bin_dir(tmp_path: Path) -> Path:
+    """A folder for PATH with `python` and `torchrun` of this interpreter, as the scripts expect."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "python").symlink_to(sys.executable)
+    write_script(folder / "torchrun", f'exec "{sys.executable}" -m torch.distributed.run "$@"')
+    return folder
+
+
+def write_script(path: Path, body: str) -> Path:
+    path.write_text(f"#!/usr/bin/env bash\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+def path_with(folder: Path) -> str:
+    return f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"

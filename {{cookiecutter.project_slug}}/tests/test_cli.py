@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-from conftest import TRAIN, ok, python_train, run_cmd
+from conftest import ok, python_train
 
 from {{ cookiecutter.package_name }}.config import build_parser, parse_args
 
@@ -48,11 +47,3 @@ def test_spawn_two_processes(workdir):
     ok(python_train(["--nprocs", "2", "--epochs", "1", "--dataset-size", "256"], workdir))
     summary = json.loads((workdir / "runs/latest/summary.json").read_text())
     assert summary["world_size"] == 2 and summary["launcher"] == "spawn" and summary["steps"] == 4
-
-
-def test_legacy_launch_passes_local_rank(workdir):
-    cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node=2", TRAIN, "--no-progress",
-           "--epochs", "1", "--dataset-size", "256"]
-    ok(run_cmd(cmd, workdir))
-    summary = json.loads((workdir / "runs/latest/summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["launcher"] == "launch"

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.distributed import (
     SetupError,
     World,
     assign_devices,
     expand_nodelist,
+    file_uri,
+    find_free_port,
     resolve_backend,
     resolve_init_method,
     resolve_world,
+    windows_env,
 )
+from {{ cookiecutter.package_name }}.train import run
 
 TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                 "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "abc"}
@@ -62,6 +70,15 @@ def test_slurm_environment():
 def test_slurm_without_srun_is_explained():
     with pytest.raises(SetupError, match="srun"):
         resolve_world({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "1"})
+
+
+def test_slurm_mismatched_task_counts_are_explained():
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
+    with pytest.raises(SetupError, match="--ntasks-per-node"):
+        resolve_world(env)
+    with pytest.raises(SetupError, match="SLURM_LOCALID=2"):
+        resolve_world({**env, "SLURM_NTASKS": "4", "SLURM_LOCALID": "2"})
 
 
 def test_torchrun_inside_slurm_uses_torchrun_variables():
@@ -124,3 +141,39 @@ def test_init_method_urls(tmp_path: Path):
     assert resolve_init_method(str(tmp_path / "x" / "store"), world, tmp_path).startswith("file:///")
     with pytest.raises(SetupError, match="three slashes"):
         resolve_init_method("file://tmp/store", world, tmp_path)
+
+
+def test_stale_and_fresh_store_files(tmp_path: Path):
+    world = World(0, 0, 2, 2, "spawn", "127.0.0.1", 1, "r")
+    fresh = tmp_path / "fresh"
+    fresh.write_bytes(b"a peer of this launch wrote this a moment ago")
+    assert resolve_init_method(str(fresh), world, tmp_path) == fresh.resolve().as_uri()
+    os.utime(fresh, (0, 0))
+    with pytest.raises(SetupError, match="left over from an earlier run"):
+        resolve_init_method(str(fresh), world, tmp_path)
+
+
+def test_windows_branches(tmp_path: Path):
+    assert resolve_backend("auto", cuda_count=2, nccl_available=True, platform="win32") == "gloo"
+    assert windows_env("win32", "2.4.1+cu121") == {"USE_LIBUV": "0"}
+    assert windows_env("win32", "2.3.1") == {}
+    assert windows_env("linux", "2.13.0") == {}
+    assert file_uri("C:\\runs\\rendezvous\\store", platform="win32") == "file:///C:/runs/rendezvous/store"
+    assert file_uri("\\\\server\\share\\store", platform="win32") == "file://server/share/store"
+    world = World(0, 0, 1, 1, "none", "127.0.0.1", 1, "w")
+    # Without a launcher, Windows meets through a file instead of a TCP store.
+    assert resolve_init_method("env", world, tmp_path, platform="win32").startswith("file:///")
+    assert resolve_init_method("env", replace(world, launcher="torchrun"), tmp_path, platform="win32") == "env://"
+
+
+def test_windows_path_trains_with_platform_patched(monkeypatch, tmp_path: Path):
+    import torch._dynamo  # noqa: F401  (imported lazily by DDP; it reads sysconfig, which a patched platform breaks)
+
+    monkeypatch.setattr(sys, "platform", "win32")
+    monkeypatch.delenv("USE_LIBUV", raising=False)
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_args(["--epochs", "1", "--dataset-size", "64", "--no-progress", "--init-method", "env"])
+    summary = run(cfg, World(0, 0, 1, 1, "none", "127.0.0.1", find_free_port(), "win-test"))
+    assert summary["backend"] == "gloo" and summary["steps"] == 2
+    assert os.environ["USE_LIBUV"] == "0"
+    assert not list((tmp_path / "runs/latest/rendezvous").iterdir()), "the store file was not removed"

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
-from conftest import final_model, ok, read_metrics, torchrun
+from conftest import PROJECT_ROOT, final_model, ok, path_with, read_metrics, run_cmd, torchrun
 
 from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints
 
@@ -57,3 +58,12 @@ def test_unreadable_resume_path_is_one_error_line(workdir):
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: --resume {workdir / 'missing.pt'}: no such file; use --resume auto or --resume never"]
+
+
+def test_local_script_trains_with_the_chosen_launcher(workdir, bin_dir):
+    args = [*SMALL, "--no-progress", "--epochs", "1", "--output-dir", str(workdir / "runs"),
+            "--checkpoint-dir", str(workdir / "ck")]
+    ok(run_cmd(["bash", str(PROJECT_ROOT / "scripts/train_local.sh"), *args], workdir,
+               PATH=path_with(bin_dir), NPROC="2", PYTHON=sys.executable))
+    summary = json.loads((workdir / "runs/summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["launcher"] == "{{ cookiecutter.launcher }}"

@@ -13,11 +13,13 @@ import os
 import re
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
+from urllib.parse import unquote
 
 import torch
 import torch.distributed as dist
@@ -102,7 +104,9 @@ class TorchrunEnvironment:
                              "start with torchrun, or pass --local-rank")
         _check_ranks(rank, local_rank, world_size, "torchrun")
         local_world_size = _int_var(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world_size
-        run_id = f"{env.get('TORCHELASTIC_RUN_ID', 'env')}-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        # A fixed --rdzv-id repeats across launches; the restart count and the port torchrun picked do not.
+        run_id = "-".join(env.get(name, "0") for name in
+                          ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT"))
         return World(
             rank=rank,
             local_rank=local_rank,
@@ -158,6 +162,11 @@ class SlurmEnvironment:
         if local_rank >= local_world_size:
             raise SetupError(f"SLURM_LOCALID={local_rank} but only {local_world_size} tasks per node; "
                              "make --ntasks-per-node match the tasks srun starts")
+        nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+        if "SLURM_NTASKS_PER_NODE" in env and nodes and int(nodes) * local_world_size != world_size:
+            raise SetupError(f"SLURM_NTASKS={world_size} but {nodes} nodes x SLURM_NTASKS_PER_NODE="
+                             f"{local_world_size} = {int(nodes) * local_world_size}; use --ntasks-per-node "
+                             "(not --ntasks) so every node runs the same number of tasks")
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
         job_id = env.get("SLURM_JOB_ID", "0")
         # A port derived from the job id: two jobs sharing a node do not pick the same one.
@@ -199,10 +208,11 @@ def resolve_world(env: Mapping[str, str] | None = None, local_rank_flag: int | N
     raise AssertionError("SingleProcessEnvironment always matches")
 
 
-def resolve_backend(requested: str, cuda_count: int, nccl_available: bool, platform: str = sys.platform) -> str:
+def resolve_backend(requested: str, cuda_count: int, nccl_available: bool, platform: str | None = None) -> str:
     """Turn `auto` into a real backend, and refuse combinations that cannot start."""
+    platform = platform or sys.platform
     if requested == "auto":
-        return "nccl" if cuda_count > 0 and nccl_available else "gloo"
+        return "nccl" if cuda_count > 0 and nccl_available and platform != "win32" else "gloo"
     if requested == "nccl":
         if platform == "win32":
             raise SetupError("backend nccl does not exist on Windows; use --backend gloo")
@@ -249,8 +259,39 @@ def assign_devices(
     return [torch.device("cuda", first + i) for i in range(per_process)]
 
 
-def resolve_init_method(method: str, world: World, rendezvous_dir: Path) -> str:
+def file_uri(path: str | Path, platform: str | None = None) -> str:
+    """A file:// URL from an absolute path. Never build one by hand: 'file://tmp/x' names a host 'tmp'.
+
+    C:\\runs\\store -> file:///C:/runs/store; \\\\server\\share\\store -> file://server/share/store.
+    """
+    if isinstance(path, Path):
+        return path.resolve().as_uri()  # a concrete path already has this machine's flavour
+    if (platform or sys.platform) == "win32":
+        return PureWindowsPath(path).as_uri()
+    return Path(path).resolve().as_uri()
+
+
+# How old a non-empty store file must be to count as a leftover rather than a peer's file of this launch.
+STALE_AFTER_S = 60.0
+
+
+def check_store_file(path: Path) -> None:
+    """A FileStore file left by a killed run holds the old run's keys and would confuse (or hang) this one."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return
+    if info.st_size > 0 and info.st_mtime < time.time() - STALE_AFTER_S:
+        raise SetupError(f"rendezvous file {path} is left over from an earlier run (last written "
+                         f"{time.ctime(info.st_mtime)}); delete it, or use --init-method file for a new file "
+                         "per launch")
+
+
+def resolve_init_method(method: str, world: World, rendezvous_dir: Path, platform: str | None = None) -> str:
     """The init_method URL for init_process_group. `env`, `tcp` and `file` are the template's short names."""
+    platform = platform or sys.platform
+    if method == "env" and platform == "win32" and world.launcher in ("none", "spawn"):
+        method = "file"  # no TCP store to start on Windows: a file next to the run is the reliable way
     if method == "env" or method.startswith("env://"):
         return "env://"
     if method == "tcp":
@@ -261,26 +302,35 @@ def resolve_init_method(method: str, world: World, rendezvous_dir: Path) -> str:
     if method.startswith("tcp://"):
         return method
     if method == "file":
-        path = rendezvous_dir / f"store-{world.run_id}"
+        path = rendezvous_dir / f"store-{world.run_id}"  # a new file for every launch
     elif method.startswith("file://"):
         host = method[len("file://"):].split("/", 1)[0]
         if host not in ("", "localhost"):
             raise SetupError(f"--init-method {method}: '{host}' would be read as a host name; "
                              "use three slashes (file:///abs/path) or pass a plain path")
-        return method
+        path = Path(unquote(method[len("file://"):].removeprefix("localhost")))
     else:
         path = Path(method)
     path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    return path.as_uri()
+    check_store_file(path)
+    return file_uri(path)
+
+
+def windows_env(platform: str, torch_version: str) -> dict[str, str]:
+    """Environment Windows needs before any TCP store starts: PyTorch 2.4+ defaults to a libuv TCPStore,
+    which Windows builds do not have."""
+    if platform != "win32":
+        return {}
+    major, minor = (int(part) for part in torch_version.split(".")[:2])
+    return {"USE_LIBUV": "0"} if (major, minor) >= (2, 4) else {}
 
 
 def ddp_setup(world: World, backend: str, init_method: str, timeout_s: float,
               devices: list[torch.device], rendezvous_dir: Path) -> str:
     """Set the device, then join the process group. Returns the backend actually used."""
-    if sys.platform == "win32":
-        # Windows builds of PyTorch have no libuv TCPStore; without this, init fails on 2.4+.
-        os.environ.setdefault("USE_LIBUV", "0")
+    for name, value in windows_env(sys.platform, torch.__version__).items():
+        os.environ.setdefault(name, value)
     if devices[0].type == "cuda":
         torch.cuda.set_device(devices[0])
     url = resolve_init_method(init_method, world, rendezvous_dir)

@@ -26,6 +26,7 @@ from .distributed import (
     find_free_port,
     report_error,
     resolve_backend,
+    resolve_init_method,
     resolve_world,
 )
 from .model import build_model
@@ -81,16 +82,21 @@ def spawn(cfg: Config) -> int:
     collide; if one child fails, the others are stopped and the run exits non-zero."""
     port = find_free_port()
     run_id = f"spawn-{uuid.uuid4().hex[:8]}"
+    # Check --init-method once here (a stale file, a bad URL) rather than once per child.
+    resolve_init_method(cfg.init_method, World(0, 0, cfg.nprocs, cfg.nprocs, "spawn", "127.0.0.1", port, run_id),
+                        _rendezvous_dir(cfg))
     try:
         mp.start_processes(_spawn_worker, args=(cfg, cfg.nprocs, port, run_id), nprocs=cfg.nprocs,
                            start_method="spawn")
     except mp.ProcessExitedException as exc:
-        print(f"error: worker {exc.error_index} exited with code {exc.exit_code}; see its message above",
-              file=sys.stderr, flush=True)
+        how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
+        # Exit code 1 is a worker that already printed its own `error:` line.
+        report_error(SetupError(f"worker {exc.error_index} {how}; the other workers were stopped",
+                                quiet=exc.exit_code == 1))
         return 1
     except mp.ProcessRaisedException as exc:
-        last = str(exc).strip().splitlines()[-1]
-        print(f"{exc}\nerror: worker {exc.error_index} failed: {last}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"{exc}\n")  # the child's traceback
+        report_error(SetupError(f"worker {exc.error_index} failed: {str(exc).strip().splitlines()[-1]}"))
         return 1
     return 0
 
