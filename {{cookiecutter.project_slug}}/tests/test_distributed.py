@@ -106,21 +106,27 @@ def test_backend_auto_and_refusals():
         resolve_backend("nccl", cuda_count=1, nccl_available=True, platform="win32")
 
 
-@pytest.mark.parametrize("local_rank, local_world, cuda, layout, expected", [
-    (1, 2, 0, "data_parallel", ["cpu"]),
-    (1, 2, 2, "data_parallel", ["cuda:1"]),
-    (3, 4, 1, "data_parallel", ["cuda:0"]),  # CUDA_VISIBLE_DEVICES gives each process its own GPU
-    (1, 2, 4, "model_parallel_2", ["cuda:2", "cuda:3"]),
-    (0, 2, 0, "model_parallel_2", ["cpu", "cpu"]),
-    (1, 2, 2, "model_parallel_2", ["cuda:0", "cuda:1"]),  # --gpus-per-task=2
+@pytest.mark.parametrize("local_rank, local_world, cuda, layout, visible, expected", [
+    (1, 2, 0, "data_parallel", None, ["cpu"]),
+    (1, 2, 2, "data_parallel", None, ["cuda:1"]),
+    (1, 2, 8, "data_parallel", "0,1,2,3,4,5,6,7", ["cuda:1"]),
+    (0, 1, 1, "data_parallel", None, ["cuda:0"]),
+    (3, 4, 1, "data_parallel", "3", ["cuda:0"]),  # --gpus-per-task=1: each process sees its own GPU
+    (1, 2, 4, "model_parallel_2", None, ["cuda:2", "cuda:3"]),
+    (0, 2, 0, "model_parallel_2", None, ["cpu", "cpu"]),
+    (1, 2, 2, "model_parallel_2", "2,3", ["cuda:0", "cuda:1"]),  # --gpus-per-task=2
 ])
-def test_assign_devices(local_rank, local_world, cuda, layout, expected):
-    assert assign_devices(local_rank, local_world, cuda, layout) == [torch.device(d) for d in expected]
+def test_assign_devices(local_rank, local_world, cuda, layout, visible, expected):
+    devices = assign_devices(local_rank, local_world, cuda, layout, visible_devices=visible)
+    assert devices == [torch.device(d) for d in expected]
 
 
 def test_assign_devices_refuses_too_few_gpus():
-    with pytest.raises(SetupError, match="need 4 GPUs"):
+    with pytest.raises(SetupError, match="need 4 GPUs .* 2 are visible; start fewer processes"):
         assign_devices(0, 4, 2, "data_parallel")
+    # Two processes and one GPU that nobody split up: they would share it ("Duplicate GPU detected").
+    with pytest.raises(SetupError, match="need 2 GPUs"):
+        assign_devices(1, 2, 1, "data_parallel", visible_devices=None)
     with pytest.raises(SetupError, match="--stage-devices"):
         assign_devices(0, 2, 3, "model_parallel_2")
 

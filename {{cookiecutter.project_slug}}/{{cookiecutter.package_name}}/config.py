@@ -31,6 +31,8 @@ class Config:
     data: str | None = None
     hidden_size: int = 64
     num_layers: int = 2
+    batch_norm: bool = False
+    sync_bn: bool = False
     num_workers: int = 0
     backend: str = DEFAULT_BACKEND
     init_method: str = DEFAULT_INIT_METHOD
@@ -125,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DataLoader worker processes per rank")
     g.add_argument("--hidden-size", type=_positive_int, default=d.hidden_size, help="MLP width")
     g.add_argument("--num-layers", type=_positive_int, default=d.num_layers, help="hidden layers of the MLP")
+    g.add_argument("--batch-norm", action="store_true", help="BatchNorm after each hidden layer of the MLP")
+    g.add_argument("--sync-bn", action="store_true",
+                   help="convert BatchNorm to SyncBatchNorm (CUDA only; ignored with a warning on CPU)")
     g.add_argument("--model-layout", choices=["data_parallel", "model_parallel_2"], default=d.model_layout,
                    help="one device per process, or the model split over two devices per process")
     g.add_argument("--stage-devices", type=_device_list, default=d.stage_devices, metavar="DEV0,DEV1",

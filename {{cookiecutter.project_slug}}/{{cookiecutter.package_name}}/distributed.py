@@ -229,11 +229,13 @@ def assign_devices(
     cuda_count: int,
     layout: str = "data_parallel",
     stage_devices: list[str] | None = None,
+    visible_devices: str | None = None,
 ) -> list[torch.device]:
     """The devices of one process: one for data_parallel, two (first and last stage) for model_parallel_2.
 
-    Pure: the device count is passed in, so every case is testable without GPUs. When each process sees
-    exactly the devices it needs (CUDA_VISIBLE_DEVICES per task, `--gpus-per-task`), indices restart at 0.
+    Pure: device count and CUDA_VISIBLE_DEVICES are passed in, so every case is testable without GPUs.
+    When each process is given exactly its own devices (CUDA_VISIBLE_DEVICES per task, as SLURM's
+    `--gpus-per-task` does), device indices restart at 0 in every process.
     """
     if stage_devices:
         if layout != "model_parallel_2":
@@ -246,14 +248,15 @@ def assign_devices(
     per_process = 2 if layout == "model_parallel_2" else 1
     if cuda_count == 0:
         return [torch.device("cpu")] * per_process
-    if cuda_count == per_process:
-        first = 0  # this process was given its own devices
-    elif cuda_count >= per_process * local_world_size:
+    if cuda_count >= per_process * local_world_size:
         first = per_process * local_rank
+    elif cuda_count == per_process and visible_devices:
+        first = 0  # CUDA_VISIBLE_DEVICES gave this process its own devices
     else:
         raise SetupError(
             f"{local_world_size} processes on this node need {per_process * local_world_size} GPUs "
-            f"({layout}) but {cuda_count} are visible; start fewer processes (--nproc-per-node) "
+            f"({layout}) but {cuda_count} are visible; start fewer processes (--nproc-per-node "
+            f"{max(1, cuda_count // per_process)}), "
             + ("or choose devices with --stage-devices" if per_process == 2 else "or use --backend gloo on CPU")
         )
     return [torch.device("cuda", first + i) for i in range(per_process)]

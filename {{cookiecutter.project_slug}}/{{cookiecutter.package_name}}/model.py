@@ -11,12 +11,16 @@ from .data import IN_FEATURES
 class MLP(nn.Module):
     """A small multi-layer perceptron for regression: IN_FEATURES inputs, one output."""
 
-    def __init__(self, hidden_size: int = 64, num_layers: int = 2, in_features: int = IN_FEATURES) -> None:
+    def __init__(self, hidden_size: int = 64, num_layers: int = 2, batch_norm: bool = False,
+                 in_features: int = IN_FEATURES) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         width = in_features
         for _ in range(num_layers):
-            layers += [nn.Linear(width, hidden_size), nn.GELU()]
+            layers.append(nn.Linear(width, hidden_size))
+            if batch_norm:
+                layers.append(nn.BatchNorm1d(hidden_size))
+            layers.append(nn.GELU())
             width = hidden_size
         layers.append(nn.Linear(width, 1))
         self.net = nn.Sequential(*layers)
@@ -32,12 +36,14 @@ class TwoStageMLP(MLP):
     activations across. DDP wraps it without `device_ids`, since it spans devices.
     """
 
-    def __init__(self, devices: list[torch.device], hidden_size: int = 64, num_layers: int = 2) -> None:
-        super().__init__(hidden_size, num_layers)
+    def __init__(self, devices: list[torch.device], hidden_size: int = 64, num_layers: int = 2,
+                 batch_norm: bool = False) -> None:
+        super().__init__(hidden_size, num_layers, batch_norm)
         self.devices = devices
-        # Split after a whole Linear+GELU pair. The layers stay in `self.net` (not in new submodules)
-        # so the state_dict keys are exactly MLP's.
-        self.split = 2 * ((num_layers + 1) // 2)
+        # Split after the first half of the hidden blocks. The layers stay in `self.net` (not in new
+        # submodules) so the state_dict keys are exactly MLP's.
+        per_block = 3 if batch_norm else 2
+        self.split = per_block * ((num_layers + 1) // 2)
         for i, layer in enumerate(self.net):
             layer.to(devices[0] if i < self.split else devices[1])
 
@@ -50,7 +56,8 @@ class TwoStageMLP(MLP):
         return x
 
 
-def build_model(layout: str, devices: list[torch.device], hidden_size: int, num_layers: int) -> nn.Module:
+def build_model(layout: str, devices: list[torch.device], hidden_size: int, num_layers: int,
+                batch_norm: bool = False) -> nn.Module:
     if layout == "model_parallel_2":
-        return TwoStageMLP(devices, hidden_size, num_layers)
-    return MLP(hidden_size, num_layers).to(devices[0])
+        return TwoStageMLP(devices, hidden_size, num_layers, batch_norm)
+    return MLP(hidden_size, num_layers, batch_norm).to(devices[0])

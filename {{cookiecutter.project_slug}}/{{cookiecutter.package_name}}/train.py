@@ -6,6 +6,7 @@ itself with `torch.multiprocessing`.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import uuid
@@ -43,7 +44,7 @@ def run(cfg: Config, world: World) -> dict:
     cuda_count = torch.cuda.device_count()
     backend = resolve_backend(cfg.backend, cuda_count, dist.is_nccl_available())
     devices = assign_devices(world.local_rank, world.local_world_size, cuda_count, cfg.model_layout,
-                             cfg.stage_devices)
+                             cfg.stage_devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     try:
         ddp_setup(world, backend, cfg.init_method, cfg.timeout_s, devices, rendezvous_dir=_rendezvous_dir(cfg))
         if world.is_main:
@@ -53,7 +54,14 @@ def run(cfg: Config, world: World) -> dict:
         dataset = build_dataset(cfg.data, cfg.dataset_size, cfg.seed)
         loader = build_loader(dataset, world.rank, world.world_size, cfg.batch_size, cfg.seed,
                               cfg.num_workers, pin_memory=devices[0].type == "cuda")
-        model = build_model(cfg.model_layout, devices, cfg.hidden_size, cfg.num_layers)
+        model = build_model(cfg.model_layout, devices, cfg.hidden_size, cfg.num_layers, cfg.batch_norm)
+        if cfg.sync_bn:
+            if devices[0].type == "cuda":
+                # Batch statistics over the global batch; only the CUDA kernels support it.
+                model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            elif world.is_main:
+                print("warning: --sync-bn needs CUDA; keeping per-process BatchNorm on CPU", file=sys.stderr,
+                      flush=True)
         trainer = Trainer(cfg, world, model, loader, devices, backend)
         seed_everything(cfg.seed + world.rank)  # different random streams per rank from here on
         trainer.resume()

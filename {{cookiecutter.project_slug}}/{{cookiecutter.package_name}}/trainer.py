@@ -79,7 +79,8 @@ class Trainer:
             self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
         self.amp_dtype = AMP_DTYPES[cfg.precision]
         if cfg.precision == "fp16" and self.input_device.type != "cuda":
-            raise SetupError("--precision fp16 needs CUDA (it relies on a GradScaler); use --precision bf16 on CPU")
+            raise SetupError("--precision fp16 needs CUDA (it relies on a GradScaler); use --precision bf16 on CPU",
+                             quiet=not world.is_main)  # every rank finds the same: say it once
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16")
 
         # Position: the epoch being trained, the batches of it already done, optimizer steps in total.
