@@ -1,10 +1,11 @@
 # make demo: bake a project with the default answers into .demo/ and train it with 2 processes.
 # make test: the template's whole test suite (what CI runs).
+# make bench: the benchmark (not part of the tests).
 PYTHON ?= python3
 # Installed only when `import torch` fails. Override for your platform, e.g. TORCH="torch==2.5.1".
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test lint bench
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH)"
@@ -22,3 +23,7 @@ lint:
 
 test: setup lint
 	$(PYTHON) -m pytest -q
+
+# The generated Trainer against a raw DDP loop, DataLoader, the tutorial style and Lightning (see README).
+bench: setup
+	$(PYTHON) bench/run.py

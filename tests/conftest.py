@@ -51,13 +51,14 @@ def pairwise_combinations() -> list[dict]:
 def expected_files(package: str, answers: dict) -> set[str]:
     files = {
         ".gitignore", "README.md", "pyproject.toml", "requirements.txt", "train.py",
-        "scripts/train_local.sh", "scripts/train_multinode.sh",
-        "tests/conftest.py", "tests/test_checkpoint.py", "tests/test_cli.py", "tests/test_data.py",
+        "scripts/train_local.sh", "scripts/train_multinode.sh", "scripts/plot_metrics.py",
+        "tests/conftest.py", "tests/test_checkpoint.py", "tests/test_cli.py", "tests/test_data.py", "tests/test_features.py",
         "tests/test_distributed.py", "tests/test_launchers.py", "tests/test_layouts.py",
-        "tests/test_nccl.py", "tests/test_train.py",
+        "tests/test_nccl.py", "tests/test_recovery.py", "tests/test_train.py",
     }
     files |= {f"{package}/{name}.py" for name in
-              ("__init__", "checkpoint", "config", "data", "distributed", "metrics", "model", "train", "trainer")}
+              ("__init__", "checkpoint", "config", "data", "distributed", "doctor", "metrics", "model", "train",
+               "trainer")}
     if answers.get("slurm", True):
         files |= {"scripts/slurm/torchrun.sbatch", "scripts/slurm/srun.sbatch", "tests/test_slurm.py"}
     if answers.get("windows_support", False):

@@ -11,7 +11,8 @@ if [[ -z "${NPROC:-}" ]]; then
 fi
 {% if cookiecutter.launcher == "torchrun" -%}
 # --standalone: a private rendezvous on a free port, so several jobs can share the machine.
-exec torchrun --standalone --nproc-per-node="$NPROC" --max-restarts="${MAX_RESTARTS:-0}" train.py "$@"
+# --max-restarts: if a worker dies, torchrun restarts the group, which resumes from the newest checkpoint.
+exec torchrun --standalone --nproc-per-node="$NPROC" --max-restarts="${MAX_RESTARTS:-3}" train.py "$@"
 {%- elif cookiecutter.launcher == "spawn" -%}
 # train.py starts the processes itself with mp.spawn and picks a free port.
 exec "$PYTHON" train.py --nprocs "$NPROC" "$@"

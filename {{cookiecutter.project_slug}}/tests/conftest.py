@@ -46,8 +46,10 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
-def read_metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(output_dir: Path, key: str = "loss") -> list[dict]:
+    """The records of metrics.jsonl that carry `key`: training logs ("loss") or evaluations ("val_loss")."""
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if key in r]
 
 
 def final_model(checkpoint_dir: Path) -> dict[str, torch.Tensor]:

@@ -6,8 +6,9 @@ import torch
 
 from {{ cookiecutter.package_name }}.data import (
     TensorPairDataset,
-    build_dataset,
+    build_datasets,
     build_loader,
+    eval_shard,
     save_tensor_file,
     synthetic_regression,
 )
@@ -67,6 +68,20 @@ def test_loader_yields_whole_batches_by_tensor_indexing():
 def test_tensor_file_round_trip(tmp_path):
     x, y = torch.randn(10, 20), torch.randn(10)
     save_tensor_file(tmp_path / "d.pt", x, y)
-    dataset = build_dataset(str(tmp_path / "d.pt"), dataset_size=0, seed=0)
-    assert isinstance(dataset, TensorPairDataset)
+    dataset, val = build_datasets(str(tmp_path / "d.pt"), dataset_size=0, seed=0)
+    assert isinstance(dataset, TensorPairDataset) and val is None
     assert torch.equal(dataset.x, x) and dataset.y.shape == (10, 1)
+    train, val = build_datasets(str(tmp_path / "d.pt"), dataset_size=0, seed=0, val_fraction=0.3)
+    assert (len(train), len(val)) == (7, 3)
+    assert sorted(torch.cat([train.x, val.x])[:, 0].tolist()) == sorted(x[:, 0].tolist())
+
+
+def test_synthetic_validation_comes_on_top_of_the_training_size():
+    train, val = build_datasets(None, dataset_size=100, seed=0, val_fraction=0.1)
+    assert (len(train), len(val)) == (100, 10)
+
+
+def test_eval_shards_cover_each_sample_once():
+    for size in (10, 11, 13):
+        shards = [eval_shard(size, r, 4) for r in range(4)]
+        assert sorted(torch.cat(shards).tolist()) == list(range(size))

@@ -39,6 +39,8 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int, kee
     """
     path = checkpoint_path(directory, step)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(".ckpt_step*.pt.tmp-*"):
+        stale.unlink(missing_ok=True)  # left by a save that was killed half-way
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:

@@ -29,6 +29,8 @@ class Config:
     seed: int = 0
     dataset_size: int = 2048
     data: str | None = None
+    val_fraction: float = 0.1
+    deterministic: bool = False
     hidden_size: int = 64
     num_layers: int = 2
     batch_norm: bool = False
@@ -50,6 +52,7 @@ class Config:
     max_steps: int = 0
     log_every: int = 10
     output_dir: str = "runs/latest"
+    step_times: str | None = None
     nprocs: int = 1
     progress: bool = True
     compile: bool = False
@@ -114,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=d.clip_grad, help="max gradient norm, 0 = off")
     g.add_argument("--max-steps", type=_non_negative_int, default=d.max_steps,
                    help="stop after this many optimizer steps in total, 0 = no limit")
+    g.add_argument("--deterministic", action="store_true",
+                   help="PyTorch's deterministic algorithms only (slower on GPU; an error names any op without one)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--find-unused-parameters", action="store_true",
                    help="DDP find_unused_parameters (only for models with unused branches; slower)")
@@ -123,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples in the synthetic data set")
     g.add_argument("--data", default=d.data, metavar="PATH",
                    help="a tensor file holding {'x': inputs, 'y': targets} instead of synthetic data")
+    g.add_argument("--val-fraction", type=float, default=d.val_fraction,
+                   help="share of the data held out and evaluated after every epoch, 0 = none")
     g.add_argument("--num-workers", type=_non_negative_int, default=d.num_workers,
                    help="DataLoader worker processes per rank")
     g.add_argument("--hidden-size", type=_positive_int, default=d.hidden_size, help="MLP width")
@@ -159,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto = newest readable checkpoint in --checkpoint-dir, if any")
     g.add_argument("--output-dir", default=d.output_dir, help="metrics.jsonl and summary.json go here")
     g.add_argument("--log-every", type=_positive_int, default=d.log_every, help="log every N optimizer steps")
+    g.add_argument("--step-times", default=d.step_times, metavar="PATH",
+                   help="write rank 0's wall-clock time at the end of every optimizer step to this JSON file")
     g.add_argument("--tracker", choices=["none", "tensorboard"], default=d.tracker,
                    help="also write metrics to TensorBoard")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -171,4 +180,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
     args = parser.parse_args(argv)
     if args.data is not None and not Path(args.data).is_file():
         parser.error(f"--data {args.data}: no such file")
+    if not 0 <= args.val_fraction < 1:
+        parser.error(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     return Config(**vars(args))

@@ -1,7 +1,7 @@
 """Data: a synthetic regression task, a tensor-file data set, and a DataLoader that cuts whole
 batches by tensor indexing (one gather per batch instead of one `__getitem__` per sample).
 
-Replace `build_dataset` with your own data. Anything with `__len__` and a `__getitem__` that
+Replace `build_datasets` with your own data. Anything with `__len__` and a `__getitem__` that
 accepts a tensor of indices works unchanged; a per-sample data set works too if you build the
 DataLoader with `batch_size=` instead of the batch sampler below.
 """
@@ -9,6 +9,7 @@ DataLoader with `batch_size=` instead of the batch sampler below.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,8 +97,34 @@ class DistributedBatchSampler:
             yield indices[start:start + self.batch_size]
 
 
-def build_dataset(data_path: str | None, dataset_size: int, seed: int) -> TensorPairDataset:
-    return load_tensor_file(data_path) if data_path else synthetic_regression(dataset_size, seed)
+def build_datasets(data_path: str | None, dataset_size: int, seed: int,
+                   val_fraction: float = 0.0) -> tuple[TensorPairDataset, TensorPairDataset | None]:
+    """Training and validation data, identical on every rank.
+
+    Synthetic data: `dataset_size` training samples plus `val_fraction` of that as extra validation
+    samples. A data file: `val_fraction` of its samples are held out, chosen by a seeded shuffle.
+    """
+    if data_path:
+        dataset = load_tensor_file(data_path)
+        n_val = int(len(dataset) * val_fraction)
+    else:
+        n_val = int(dataset_size * val_fraction)
+        dataset = synthetic_regression(dataset_size + n_val, seed)
+    if n_val == 0:
+        return dataset, None
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + 1))
+    return TensorPairDataset(*dataset[order[n_val:]]), TensorPairDataset(*dataset[order[:n_val]])
+
+
+def eval_shard(size: int, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's validation indices: every sample exactly once across ranks, no padding duplicates
+    (DistributedSampler would repeat samples to even out the shards and bias the metric)."""
+    return torch.arange(rank, size, world_size)
+
+
+def _seed_worker(worker_id: int) -> None:
+    # Each DataLoader worker gets its own stream, derived from the loader's seeded generator.
+    random.seed(torch.initial_seed() % 2**32)
 
 
 def build_loader(dataset: Dataset, rank: int, world_size: int, batch_size: int, seed: int,
@@ -115,4 +142,6 @@ def build_loader(dataset: Dataset, rank: int, world_size: int, batch_size: int, 
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
+        worker_init_fn=_seed_worker,
+        generator=torch.Generator().manual_seed(seed + rank),  # seeds the workers, per rank
     )

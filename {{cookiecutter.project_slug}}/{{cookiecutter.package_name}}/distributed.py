@@ -344,10 +344,19 @@ def ddp_setup(world: World, backend: str, init_method: str, timeout_s: float,
     kwargs = {}
     if backend == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters:
         kwargs["device_id"] = devices[0]
+    if url == "env://" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun keeps one store for the whole job, across restarts. Without a prefix per attempt, the
+        # workers of a restart read the addresses the dead workers published and never connect.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        agent_store = dist.TCPStore(world.master_addr, world.master_port, world.world_size, is_master=False,
+                                    timeout=timedelta(seconds=timeout_s),
+                                    use_libuv=os.environ.get("USE_LIBUV", "1") == "1")
+        kwargs["store"] = dist.PrefixStore(f"/worker/attempt_{attempt}", agent_store)
+    else:
+        kwargs["init_method"] = url
     try:
         dist.init_process_group(
             backend,
-            init_method=url,
             rank=world.rank,
             world_size=world.world_size,
             timeout=timedelta(seconds=timeout_s),
@@ -359,6 +368,37 @@ def ddp_setup(world: World, backend: str, init_method: str, timeout_s: float,
                              "set MASTER_PORT to a free port (or use torchrun --standalone)") from None
         raise
     return backend
+
+
+# What gloo and NCCL say when a peer died, stalled past --timeout-s, or dropped its connection.
+_COMMUNICATION_FAILURES = ("Timed out", "timed out", "Connection closed", "Connection reset", "Broken pipe",
+                           "NCCL error", "Socket Timeout")
+
+
+def is_communication_failure(exc: BaseException) -> bool:
+    return isinstance(exc, dist.DistError) or any(text in str(exc) for text in _COMMUNICATION_FAILURES)
+
+
+def describe_communication_failure(world: World, exc: BaseException, timeout_s: float, wait_s: float = 3.0) -> str:
+    """Name the ranks that stopped answering. Every surviving rank leaves a mark in the job's key-value
+    store (it outlives the workers under torchrun); the ranks without a mark are the dead or stalled ones."""
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    suspects = "unknown (the job's store is gone too)"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"comm_failure/{world.rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            silent = [r for r in range(world.world_size) if not store.check([f"comm_failure/{r}"])]
+            if not silent or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        suspects = ", ".join(map(str, silent)) if silent else "none found (all ranks saw the failure)"
+    except Exception:  # the store may have died with the rank that hosted it
+        pass
+    return (f"rank {world.rank}: communication with the other ranks failed ({first_line}); "
+            f"rank(s) that stopped answering: {suspects}. A rank that dies or hangs longer than "
+            f"--timeout-s={timeout_s:g} ends the job; see that rank's own output for why")
 
 
 def cleanup() -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -17,14 +19,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .config import Config, parse_args
-from .data import build_dataset, build_loader
+from .data import build_datasets, build_loader
 from .distributed import (
     SetupError,
     World,
     assign_devices,
     cleanup,
     ddp_setup,
+    describe_communication_failure,
     find_free_port,
+    is_communication_failure,
     report_error,
     resolve_backend,
     resolve_init_method,
@@ -32,6 +36,11 @@ from .distributed import (
 )
 from .model import build_model
 from .trainer import Trainer
+
+STARTED_AT = time.time()  # when this process imported the code: the start of "time to first step"
+
+# SIGTERM: torchrun, SLURM and Kubernetes stopping the job; SIGUSR1: SLURM's --signal warning.
+STOP_SIGNALS = [signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
 
 
 def seed_everything(seed: int) -> None:
@@ -45,14 +54,19 @@ def run(cfg: Config, world: World) -> dict:
     backend = resolve_backend(cfg.backend, cuda_count, dist.is_nccl_available())
     devices = assign_devices(world.local_rank, world.local_world_size, cuda_count, cfg.model_layout,
                              cfg.stage_devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     try:
-        ddp_setup(world, backend, cfg.init_method, cfg.timeout_s, devices, rendezvous_dir=_rendezvous_dir(cfg))
+        ddp_setup(world, backend, cfg.init_method, cfg.timeout_s, devices, rendezvous_dir=rendezvous_dir(cfg))
         if world.is_main:
             print(f"world: {world.world_size} process(es), launcher {world.launcher}, backend {backend}, "
                   f"rank 0 on {', '.join(map(str, devices))}", flush=True)
+        if cfg.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it to be deterministic
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
         seed_everything(cfg.seed)  # the same initial model on every rank
-        dataset = build_dataset(cfg.data, cfg.dataset_size, cfg.seed)
-        loader = build_loader(dataset, world.rank, world.world_size, cfg.batch_size, cfg.seed,
+        train_set, val_set = build_datasets(cfg.data, cfg.dataset_size, cfg.seed, cfg.val_fraction)
+        loader = build_loader(train_set, world.rank, world.world_size, cfg.batch_size, cfg.seed,
                               cfg.num_workers, pin_memory=devices[0].type == "cuda")
         model = build_model(cfg.model_layout, devices, cfg.hidden_size, cfg.num_layers, cfg.batch_norm)
         if cfg.sync_bn:
@@ -62,15 +76,23 @@ def run(cfg: Config, world: World) -> dict:
             elif world.is_main:
                 print("warning: --sync-bn needs CUDA; keeping per-process BatchNorm on CPU", file=sys.stderr,
                       flush=True)
-        trainer = Trainer(cfg, world, model, loader, devices, backend)
+        trainer = Trainer(cfg, world, model, loader, devices, backend, val_set, started_at=STARTED_AT)
         seed_everything(cfg.seed + world.rank)  # different random streams per rank from here on
         trainer.resume()
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, trainer.request_stop)
         return trainer.train()
+    except RuntimeError as exc:
+        if world.world_size > 1 and is_communication_failure(exc):
+            raise SetupError(describe_communication_failure(world, exc, cfg.timeout_s)) from exc
+        raise
     finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         cleanup()
 
 
-def _rendezvous_dir(cfg: Config) -> Path:
+def rendezvous_dir(cfg: Config) -> Path:
     """Where `--init-method file` keeps its store file: under the output dir, which multi-node runs share."""
     return Path(cfg.output_dir) / "rendezvous"
 
@@ -92,7 +114,7 @@ def spawn(cfg: Config) -> int:
     run_id = f"spawn-{uuid.uuid4().hex[:8]}"
     # Check --init-method once here (a stale file, a bad URL) rather than once per child.
     resolve_init_method(cfg.init_method, World(0, 0, cfg.nprocs, cfg.nprocs, "spawn", "127.0.0.1", port, run_id),
-                        _rendezvous_dir(cfg))
+                        rendezvous_dir(cfg))
     try:
         mp.start_processes(_spawn_worker, args=(cfg, cfg.nprocs, port, run_id), nprocs=cfg.nprocs,
                            start_method="spawn")

@@ -7,8 +7,11 @@ is only averaged across ranks (one all_reduce, one host sync) every `--log-every
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import random
+import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from .checkpoint import load_checkpoint, load_for_resume, save_checkpoint
 from .config import Config
+from .data import TensorPairDataset, eval_shard
 from .distributed import SetupError, World
 from .metrics import MetricsWriter
 
@@ -59,8 +63,11 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 class Trainer:
     def __init__(self, cfg: Config, world: World, model: nn.Module, loader: DataLoader,
-                 devices: list[torch.device], backend: str) -> None:
+                 devices: list[torch.device], backend: str, val_set: TensorPairDataset | None = None,
+                 started_at: float | None = None) -> None:
         self.cfg, self.world, self.loader, self.backend = cfg, world, loader, backend
+        self.val_set = val_set
+        self.started_at = time.time() if started_at is None else started_at  # for time to first step
         self.input_device, self.output_device = devices[0], devices[-1]
         self.raw_model = model
         # A model spread over two devices (or on CPU) is wrapped without device_ids.
@@ -71,6 +78,10 @@ class Trainer:
             find_unused_parameters=cfg.find_unused_parameters,
         )
         if cfg.compile:
+            if not getattr(torch._dynamo, "is_dynamo_supported", lambda: True)():
+                raise SetupError(f"--compile: torch.compile does not support Python {sys.version.split()[0]} on "
+                                 f"{sys.platform} with PyTorch {torch.__version__}; run without --compile",
+                                 quiet=not world.is_main)
             self.model = torch.compile(self.model)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         steps_per_epoch = math.ceil(loader.sampler.batches_per_epoch() / cfg.grad_accum)
@@ -92,6 +103,18 @@ class Trainer:
         self._loss_count = 0
         self._samples = 0  # samples this rank has trained on since the last log
         self._samples_total = 0
+        # Preemption: a signal handler sets `stop_signal`; the ranks agree on the step to stop at through
+        # a one-number all_reduce on a CPU (gloo) group, started after each step and read after the next,
+        # so it overlaps training and never syncs a GPU.
+        self.stop_signal: int | None = None
+        self.stopped_by: str | None = None
+        self._stop_group = dist.new_group(backend="gloo") if world.world_size > 1 else None
+        self._stop_flag = torch.zeros(1)
+        self._stop_work = None
+        self.val_loss: float | None = None
+        self._step_ends: list[float] = []  # perf_counter after each optimizer step, for the step-time report
+        self._first_step_s: float | None = None
+        self._save_ms: list[float] = []
 
     # ---------------------------------------------------------------- resume
     def resume(self) -> None:
@@ -120,15 +143,6 @@ class Trainer:
                   flush=True)
 
     def _restore(self, state: dict[str, Any]) -> None:
-        same_world = state["world_size"] == self.world.world_size
-        if state["batch_in_epoch"] and not same_world:
-            raise SetupError(
-                f"checkpoint was saved mid-epoch by {state['world_size']} processes, this run has "
-                f"{self.world.world_size}; resume it with {state['world_size']} or from an end-of-epoch checkpoint")
-        if state["batch_in_epoch"] and (state["batch_size"], state["grad_accum"]) != (
-                self.cfg.batch_size, self.cfg.grad_accum):
-            raise SetupError("checkpoint was saved mid-epoch with another --batch-size/--grad-accum; "
-                             "resume with the same values")
         self.raw_model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -136,12 +150,24 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.batch_in_epoch, self.step = state["epoch"], state["batch_in_epoch"], state["step"]
         self.last_loss = state.get("last_loss")
-        if same_world:
-            _set_rng_state(state["rng"][self.world.rank], self.input_device)
+        same_layout = (state["world_size"], state["batch_size"]) == (self.world.world_size, self.cfg.batch_size)
+        if same_layout:
+            _set_rng_state(state["rng"][self.world.rank], self.input_device)  # bit-for-bit continuation
+        elif self.batch_in_epoch:
+            # Other shards and batch sizes: continue after the same number of samples of this epoch.
+            samples_done = state["samples_in_epoch"]
+            per_batch = self.cfg.batch_size * self.world.world_size
+            self.batch_in_epoch = samples_done // per_batch // self.cfg.grad_accum * self.cfg.grad_accum
+            if self.world.is_main:
+                print(f"warning: checkpoint is from {state['world_size']} processes x batch {state['batch_size']}; "
+                      f"continuing epoch {self.epoch} after {self.batch_in_epoch * per_batch} of the "
+                      f"{samples_done} samples already seen (exact resume needs the same world and batch size)",
+                      file=sys.stderr, flush=True)
 
     # ---------------------------------------------------------------- checkpoints
     def _save_snapshot(self) -> None:
         """Every rank hands its RNG state to rank 0, rank 0 writes, and nobody goes on before it is done."""
+        started = time.perf_counter()
         rng_states: list[Any] = [None] * self.world.world_size
         dist.all_gather_object(rng_states, _rng_state(self.input_device))
         if self.world.is_main:
@@ -152,6 +178,7 @@ class Trainer:
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
                 "epoch": self.epoch,
                 "batch_in_epoch": self.batch_in_epoch,
+                "samples_in_epoch": self.batch_in_epoch * self.cfg.batch_size * self.world.world_size,
                 "step": self.step,
                 "world_size": self.world.world_size,
                 "batch_size": self.cfg.batch_size,
@@ -163,16 +190,21 @@ class Trainer:
             save_checkpoint(state, self.cfg.checkpoint_dir, self.step, self.cfg.keep_last)
         dist.barrier()
         self._saved_step = self.step
+        self._save_ms.append(1000 * (time.perf_counter() - started))  # how long training stood still
 
     # ---------------------------------------------------------------- training
-    def _run_batch(self, x: torch.Tensor, y: torch.Tensor, sync: bool, divisor: int) -> torch.Tensor:
-        """Forward and backward of one micro-batch; gradients are all-reduced only when `sync`."""
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor, sync: bool, weight: float = 1.0) -> torch.Tensor:
+        """Forward and backward of one micro-batch; gradients are all-reduced only when `sync`.
+
+        `weight` is this micro-batch's share of the samples of its accumulation group, so K accumulated
+        micro-batches give the gradient of one K-times-larger batch (a short last group included).
+        """
         # no_sync must cover the backward too: that is where DDP's all-reduce hooks fire.
         with self.model.no_sync() if not sync else contextlib.nullcontext():
             with torch.autocast(self.input_device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 out = self.model(x)
             loss = F.mse_loss(out.float(), y)
-            self.scaler.scale(loss / divisor).backward()
+            self.scaler.scale(loss if weight == 1.0 else loss * weight).backward()
         return loss.detach()
 
     def _optimizer_step(self) -> None:
@@ -184,19 +216,33 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
+    def _agreed_batch_count(self) -> int:
+        """The batches every rank will run this epoch: the smallest count of any rank. Our sampler pads
+        shards to equal length; a custom one may not, and one rank waiting for a step the others never
+        take is a hang."""
+        count = torch.tensor([self.loader.sampler.batches_per_epoch()])
+        if self._stop_group is not None:
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self._stop_group)
+        return int(count.item())
+
     def _run_epoch(self, epoch: int) -> None:
         batch_sampler = self.loader.sampler
         batch_sampler.set_epoch(epoch, self.batch_in_epoch)  # a new shuffle each epoch, on every rank
-        total = batch_sampler.batches_per_epoch()
-        accum = self.cfg.grad_accum
+        total = self._agreed_batch_count()
+        accum, batch_size = self.cfg.grad_accum, self.cfg.batch_size
+        shard = len(batch_sampler.sampler)  # this rank's samples this epoch; the last batch may be short
         bar = self._progress_bar(epoch, total)
-        for i, (x, y) in enumerate(self.loader, start=self.batch_in_epoch):
+        for i, (x, y) in zip(range(self.batch_in_epoch, total), self.loader, strict=False):
             x = x.to(self.input_device, non_blocking=True)
             y = y.to(self.output_device, non_blocking=True)
             group_start = i - i % accum
-            group_size = min(accum, total - group_start)  # the last group of an epoch may be short
-            last_in_group = i == group_start + group_size - 1
-            self._loss_sum += self._run_batch(x, y, sync=last_in_group, divisor=group_size)
+            group_end = min(group_start + accum, total)  # the last group of an epoch may be short
+            last_in_group = i == group_end - 1
+            weight = 1.0
+            if accum > 1:
+                group_samples = min(group_end * batch_size, shard) - group_start * batch_size
+                weight = x.shape[0] / group_samples
+            self._loss_sum += self._run_batch(x, y, sync=last_in_group, weight=weight)
             self._loss_count += 1
             self._samples += x.shape[0]
             self._samples_total += x.shape[0]
@@ -207,9 +253,12 @@ class Trainer:
             self._optimizer_step()
             self.step += 1
             self.batch_in_epoch = i + 1
+            self._step_ends.append(time.perf_counter())
+            if self._first_step_s is None:
+                self._first_step_s = time.time() - self.started_at
             if self.step % self.cfg.log_every == 0 or i + 1 == total:
                 self._log(epoch, bar)
-            if self._done():
+            if self._done() or self._stop_agreed():
                 break
             if self.cfg.save_every_steps and self.step % self.cfg.save_every_steps == 0 and i + 1 < total:
                 self._save_snapshot()
@@ -217,9 +266,54 @@ class Trainer:
             bar.close()
         if self.batch_in_epoch == total:
             self.epoch, self.batch_in_epoch = epoch + 1, 0
+            self._evaluate(epoch)
+
+    @torch.no_grad()
+    def _evaluate(self, epoch: int) -> None:
+        """Validation MSE over all ranks, each sample counted once: the single-process value up to rounding."""
+        if self.val_set is None:
+            return
+        indices = eval_shard(len(self.val_set), self.world.rank, self.world.world_size)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.output_device)  # squared error, count
+        self.raw_model.eval()
+        for chunk in indices.split(max(self.cfg.batch_size, 256)):
+            x, y = self.val_set[chunk]
+            with torch.autocast(self.input_device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                out = self.raw_model(x.to(self.input_device))
+            error = out.double() - y.to(self.output_device, torch.float64)
+            totals[0] += error.square().sum()
+            totals[1] += error.numel()
+        self.raw_model.train()
+        dist.all_reduce(totals)
+        self.val_loss = (totals[0] / totals[1]).item()
+        self.metrics.log({"step": self.step, "epoch": epoch, "val_loss": self.val_loss})
+        if self.world.is_main:
+            print(f"epoch {epoch} validation loss {self.val_loss:.5f}", flush=True)
 
     def _done(self) -> bool:
-        return self.epoch >= self.cfg.epochs or bool(self.cfg.max_steps and self.step >= self.cfg.max_steps)
+        return (self.epoch >= self.cfg.epochs or bool(self.cfg.max_steps and self.step >= self.cfg.max_steps)
+                or self.stopped_by is not None)
+
+    def request_stop(self, signum: int, frame: Any = None) -> None:
+        """Signal handler (SIGTERM, SIGUSR1): finish the step, checkpoint, exit cleanly."""
+        self.stop_signal = signum
+
+    def _stop_agreed(self) -> bool:
+        """True on every rank at the same step once any rank has been asked to stop."""
+        if self._stop_group is None:
+            stop = self.stop_signal is not None
+        else:
+            stop = False
+            if self._stop_work is not None:
+                self._stop_work.wait()
+                stop = bool(self._stop_flag.item())
+            if not stop:
+                self._stop_flag.fill_(float(self.stop_signal is not None))
+                self._stop_work = dist.all_reduce(self._stop_flag, op=dist.ReduceOp.MAX, group=self._stop_group,
+                                                  async_op=True)
+        if stop:
+            self.stopped_by = signal.Signals(self.stop_signal).name if self.stop_signal else "another rank"
+        return stop
 
     def _log(self, epoch: int, bar: Any) -> None:
         """Average the loss over ranks and steps since the last log: the only host sync in the loop."""
@@ -262,9 +356,19 @@ class Trainer:
                 at_epoch_end = self.batch_in_epoch == 0
                 if at_epoch_end and self.cfg.save_every and self.epoch % self.cfg.save_every == 0:
                     self._save_snapshot()
+            if self._stop_work is not None:
+                self._stop_work.wait()  # every rank has one check in flight; finish it before the group idles
             if self.step != self._saved_step:
                 self._save_snapshot()
+            if self.stopped_by is not None:
+                if self.world.is_main:
+                    print(f"stopped by {self.stopped_by} at step {self.step}: checkpoint saved in "
+                          f"{Path(self.cfg.checkpoint_dir).resolve()}; run the same command to resume", flush=True)
+                return {"stopped_by": self.stopped_by, "steps": self.step}
             wall = time.perf_counter() - self._start_time
+            step_ms = [1000 * (b - a) for a, b in zip(self._step_ends, self._step_ends[1:], strict=False)]
+            if len(step_ms) > 40:
+                step_ms = step_ms[20:]  # the first steps warm up allocators and DDP's buckets
             summary = {
                 "world_size": self.world.world_size,
                 "backend": self.backend,
@@ -274,14 +378,25 @@ class Trainer:
                 "final_loss": self.last_loss,
                 # Every rank trains on the same number of samples (the sampler pads), so this is exact.
                 "samples_per_s": round(self._samples_total * self.world.world_size / max(wall, 1e-9), 1),
+                "median_step_ms": round(statistics.median(step_ms), 3) if step_ms else None,
+                "p90_step_ms": round(statistics.quantiles(step_ms, n=10)[-1], 3) if len(step_ms) > 1 else None,
+                "checkpoint_save_ms": round(statistics.median(self._save_ms), 1) if self._save_ms else None,
+                "time_to_first_step_s": round(self._first_step_s, 3) if self._first_step_s is not None else None,
+                "val_loss": self.val_loss,
                 "wall_time_s": round(wall, 3),
                 "resumed_from": self.resumed_from,
                 "checkpoint_dir": str(Path(self.cfg.checkpoint_dir)),
             }
             path = self.metrics.write_summary(summary)
+            if self.cfg.step_times and self.world.is_main:
+                to_wall = time.time() - time.perf_counter()
+                Path(self.cfg.step_times).write_text(json.dumps(
+                    {"started_at": self.started_at, "step_ends": [t + to_wall for t in self._step_ends]}))
         finally:
             self.metrics.close()
         if self.world.is_main:
+            print(f"throughput: {summary['samples_per_s']:.0f} samples/s, median step {summary['median_step_ms']} ms, "
+                  f"first step {summary['time_to_first_step_s']} s after start", flush=True)
             print(f"done: {self.step} steps, final loss {self.last_loss:.5f}\n"
                   f"checkpoints: {Path(self.cfg.checkpoint_dir).resolve()}\nsummary: {path.resolve()}", flush=True)
         return summary

@@ -1,0 +1,183 @@
+"""Benchmark the generated Trainer against a hand-written DDP loop, the tutorial style and Lightning.
+
+    python bench/run.py              # 5 interleaved repetitions of every variant, both workloads
+    python bench/run.py --reps 2 --no-lightning
+
+CPU, gloo, 2 processes through torchrun, OMP_NUM_THREADS=1. Results go to bench/results/ as
+results.json and results.png, and a table is printed. Lightning is installed into its own virtual
+environment (bench/.venv-lightning); it is never a dependency of the template or its projects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+WARMUP_STEPS = 20
+WORKLOADS = {
+    # tiny: per-step framework overhead over the ~1 ms gloo floor.
+    "tiny": {"hidden-size": 64, "num-layers": 2, "batch-size": 32, "dataset-size": 8192, "epochs": 1},
+    # ~6 MB of parameters (1.5 M floats): all-reduce and bucketing.
+    "mlp-6MB": {"hidden-size": 1224, "num-layers": 2, "batch-size": 32, "dataset-size": 4096, "epochs": 1},
+}
+VARIANTS = ["ours", "raw", "raw+DataLoader", "tutorial", "lightning"]
+SCRIPTS = {"raw": "raw.py", "raw+DataLoader": "raw_dataloader.py", "tutorial": "tutorial.py",
+           "lightning": "lightning_variant.py"}
+# Runs a command and prints the largest resident set of any process it started, in KiB.
+RSS_WRAPPER = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(rc)")
+
+
+def bake(folder: Path) -> Path:
+    shutil.rmtree(folder, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "cookiecutter", "--no-input", "-o", str(folder), str(ROOT)], check=True,
+                   stdout=subprocess.DEVNULL)
+    return folder / "ddp-project"
+
+
+def lightning_python() -> str:
+    env_dir = HERE / ".venv-lightning"
+    python = env_dir / "bin" / "python"
+    if not python.exists():
+        print("installing pytorch-lightning into bench/.venv-lightning (uses the torch already installed)")
+        venv.create(env_dir, system_site_packages=True, with_pip=True)
+    check = subprocess.run([str(python), "-c", "import pytorch_lightning"], capture_output=True)
+    if check.returncode != 0:
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "pytorch-lightning"], check=True)
+    return str(python)
+
+
+def stats(step_ends: list[float], started_at: float, launched_at: float, global_batch: int) -> dict:
+    durations = [1000 * (b - a) for a, b in zip(step_ends, step_ends[1:], strict=False)][WARMUP_STEPS:]
+    median = statistics.median(durations)
+    return {
+        "median_ms": median,
+        "p90_ms": statistics.quantiles(durations, n=10)[-1],
+        "samples_per_s": global_batch * 1000 / median,
+        "first_step_s": step_ends[0] - launched_at,
+        "steps": len(step_ends),
+        "import_to_first_step_s": step_ends[0] - started_at,
+    }
+
+
+def run_variant(name: str, workload: dict, project: Path, work: Path, python_for_lightning: str | None) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    flags = [f"--{k}={v}" for k, v in workload.items()]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{project}{os.pathsep}{HERE / 'variants'}"}
+    python = python_for_lightning if name == "lightning" else sys.executable
+    if name == "ours":
+        cmd = [python, *torchrun, str(project / "train.py"), *flags, "--no-progress", "--val-fraction=0",
+               "--save-every=0", "--resume=never", f"--output-dir={work}/runs", f"--checkpoint-dir={work}/ck",
+               f"--step-times={work}/steps.json"]
+    else:
+        cmd = [python, *torchrun, str(HERE / "variants" / SCRIPTS[name]), *flags, f"--result={work}/steps.json"]
+    launched_at = time.time()
+    proc = subprocess.run([sys.executable, "-c", RSS_WRAPPER, *cmd], cwd=work, env=env, capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    result = json.loads((work / "steps.json").read_text())
+    out = stats(result["step_ends"], result["started_at"], launched_at, workload["batch-size"] * 2)
+    out["peak_rss_mb"] = int(proc.stderr.strip().splitlines()[-1]) / 1024
+    if name == "ours":
+        out["checkpoint_save_ms"] = json.loads((work / "runs/summary.json").read_text())["checkpoint_save_ms"]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-lightning", action="store_true")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    args = parser.parse_args()
+    RESULTS.mkdir(exist_ok=True)
+    project = bake(RESULTS / "baked")
+    variants = [v for v in VARIANTS if not (v == "lightning" and args.no_lightning)]
+    python_for_lightning = lightning_python() if "lightning" in variants else None
+    raw: dict = {w: {v: [] for v in variants} for w in args.workloads.split(",")}
+    for workload in raw:
+        for rep in range(args.reps):
+            for variant in variants:  # interleaved: A B C A B C, so drift hits every variant alike
+                result = run_variant(variant, WORKLOADS[workload], project, RESULTS / "work" / variant,
+                                     python_for_lightning)
+                raw[workload][variant].append(result)
+                print(f"{workload} rep {rep + 1}/{args.reps} {variant:15s} {result['median_ms']:.3f} ms/step",
+                      flush=True)
+    summary = summarize(raw)
+    machine = f"{platform.node()}: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, " \
+              f"Python {platform.python_version()}"
+    (RESULTS / "results.json").write_text(json.dumps({"machine": machine, "reps": args.reps, "workloads": WORKLOADS,
+                                                      "summary": summary, "runs": raw}, indent=1))
+    print(table(summary, machine, args.reps))
+    plot(summary, RESULTS / "results.png")
+    return 0
+
+
+def summarize(raw: dict) -> dict:
+    """Median over repetitions of each statistic, and the ratio of median ms/step to raw's."""
+    summary = {}
+    for workload, per_variant in raw.items():
+        summary[workload] = {}
+        for variant, runs in per_variant.items():
+            keys = runs[0].keys()
+            summary[workload][variant] = {k: statistics.median(r[k] for r in runs) for k in keys}
+        floor = summary[workload]["raw"]["median_ms"]
+        for values in summary[workload].values():
+            values["ratio_to_raw"] = values["median_ms"] / floor
+    return summary
+
+
+def table(summary: dict, machine: str, reps: int) -> str:
+    lines = [f"machine: {machine}; gloo, 2 processes, OMP_NUM_THREADS=1; median of {reps} interleaved runs; "
+             f"first {WARMUP_STEPS} steps dropped", "",
+             "| workload | variant | median ms/step | p90 ms/step | ratio to raw | samples/s | launch to first step s "
+             "| peak RSS MB | checkpoint save ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for workload, per_variant in summary.items():
+        for variant, v in per_variant.items():
+            save = f"{v['checkpoint_save_ms']:.1f}" if "checkpoint_save_ms" in v else ""
+            lines.append(f"| {workload} | {variant} | {v['median_ms']:.3f} | {v['p90_ms']:.3f} | "
+                         f"{v['ratio_to_raw']:.3f} | {v['samples_per_s']:.0f} | {v['first_step_s']:.2f} | "
+                         f"{v['peak_rss_mb']:.0f} | {save} |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no matplotlib: skipping the PNG)")
+        return
+    fig, axes = plt.subplots(1, len(summary), figsize=(6 * len(summary), 4))
+    for ax, (workload, per_variant) in zip(list(getattr(axes, "flat", [axes])), summary.items(), strict=True):
+        names = list(per_variant)
+        values = [per_variant[n]["median_ms"] for n in names]
+        bars = ax.bar(names, values, color=["tab:green" if n == "ours" else "tab:gray" for n in names])
+        for bar, name in zip(bars, names, strict=True):
+            ax.annotate(f"x{per_variant[name]['ratio_to_raw']:.2f}", (bar.get_x() + bar.get_width() / 2,
+                        bar.get_height()), ha="center", va="bottom")
+        ax.set_title(f"{workload}: median ms/step (ratio to raw)")
+        ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""pytorch-lightning Trainer(strategy="ddp", accelerator="cpu", devices=2) on the same data and model,
+with logging, progress bar, checkpointing and model summary off. Started by torchrun like the others
+(Lightning detects torchrun and uses its processes)."""
+
+import time
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from common import StepClock, parse, setup
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+args = parse()
+data, model = setup(args)  # the process group is set up; Lightning reuses it
+clock = StepClock()
+
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.model(x), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        clock.tick()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=args.lr)
+
+
+dataset = TensorDataset(data.x, data.y)
+loader = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=0))
+trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=args.epochs, logger=False,
+                     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                     use_distributed_sampler=False)
+trainer.fit(Module(), loader)
+clock.write(args.result, finished_at=time.time())

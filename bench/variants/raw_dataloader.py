@@ -1,0 +1,27 @@
+"""The same loop fed by DataLoader + DistributedSampler with per-sample indexing and default collate."""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from common import StepClock, parse, setup
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+args = parse()
+data, model = setup(args)
+ddp = DDP(model)
+opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+dataset = TensorDataset(data.x, data.y)
+sampler = DistributedSampler(dataset, seed=0)
+loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+clock = StepClock()
+for epoch in range(args.epochs):
+    sampler.set_epoch(epoch)
+    for x, y in loader:
+        loss = F.mse_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        clock.tick()
+clock.write(args.result)
+dist.destroy_process_group()
