@@ -52,8 +52,8 @@ def expected_files(package: str, answers: dict) -> set[str]:
     files = {
         ".gitignore", "README.md", "pyproject.toml", "requirements.txt", "train.py",
         "scripts/train_local.sh", "scripts/train_multinode.sh", "scripts/plot_metrics.py",
-        "tests/conftest.py", "tests/test_checkpoint.py", "tests/test_cli.py", "tests/test_data.py", "tests/test_features.py",
-        "tests/test_distributed.py", "tests/test_launchers.py", "tests/test_layouts.py",
+        "tests/conftest.py", "tests/test_checkpoint.py", "tests/test_cli.py", "tests/test_data.py",
+        "tests/test_distributed.py", "tests/test_features.py", "tests/test_launchers.py", "tests/test_layouts.py",
         "tests/test_nccl.py", "tests/test_recovery.py", "tests/test_train.py",
     }
     files |= {f"{package}/{name}.py" for name in
