@@ -19,7 +19,7 @@ demo: setup
 	@echo "metrics: $(CURDIR)/.demo/ddp-project/runs/latest/metrics.jsonl"
 
 lint:
-	$(PYTHON) -m ruff check hooks tests
+	$(PYTHON) -m ruff check hooks tests bench
 
 test: setup lint
 	$(PYTHON) -m pytest -q

@@ -10,7 +10,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from ddp_project.data import synthetic_regression
 from ddp_project.model import MLP
 
