@@ -103,14 +103,10 @@ class Trainer:
         self._loss_count = 0
         self._samples = 0  # samples this rank has trained on since the last log
         self._samples_total = 0
-        # Preemption: a signal handler sets `stop_signal`; the ranks agree on the step to stop at through
-        # a one-number all_reduce on a CPU (gloo) group, started after each step and read after the next,
-        # so it overlaps training and never syncs a GPU.
+        # Preemption: a signal handler sets `stop_signal`; the ranks agree to stop at the next log step,
+        # where the flag rides along with the loss all_reduce, so stopping costs no extra collective.
         self.stop_signal: int | None = None
         self.stopped_by: str | None = None
-        self._stop_group = dist.new_group(backend="gloo") if world.world_size > 1 else None
-        self._stop_flag = torch.zeros(1)
-        self._stop_work = None
         self.val_loss: float | None = None
         self._step_ends: list[float] = []  # perf_counter after each optimizer step, for the step-time report
         self._first_step_s: float | None = None
@@ -220,9 +216,8 @@ class Trainer:
         """The batches every rank will run this epoch: the smallest count of any rank. Our sampler pads
         shards to equal length; a custom one may not, and one rank waiting for a step the others never
         take is a hang."""
-        count = torch.tensor([self.loader.sampler.batches_per_epoch()])
-        if self._stop_group is not None:
-            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self._stop_group)
+        count = torch.tensor([self.loader.sampler.batches_per_epoch()], device=self.output_device)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN)  # once per epoch
         return int(count.item())
 
     def _run_epoch(self, epoch: int) -> None:
@@ -258,7 +253,7 @@ class Trainer:
                 self._first_step_s = time.time() - self.started_at
             if self.step % self.cfg.log_every == 0 or i + 1 == total:
                 self._log(epoch, bar)
-            if self._done() or self._stop_agreed():
+            if self._done():
                 break
             if self.cfg.save_every_steps and self.step % self.cfg.save_every_steps == 0 and i + 1 < total:
                 self._save_snapshot()
@@ -295,33 +290,20 @@ class Trainer:
                 or self.stopped_by is not None)
 
     def request_stop(self, signum: int, frame: Any = None) -> None:
-        """Signal handler (SIGTERM, SIGUSR1): finish the step, checkpoint, exit cleanly."""
+        """Signal handler (SIGTERM, SIGUSR1): stop at the next log step, checkpoint, exit cleanly."""
         self.stop_signal = signum
 
-    def _stop_agreed(self) -> bool:
-        """True on every rank at the same step once any rank has been asked to stop."""
-        if self._stop_group is None:
-            stop = self.stop_signal is not None
-        else:
-            stop = False
-            if self._stop_work is not None:
-                self._stop_work.wait()
-                stop = bool(self._stop_flag.item())
-            if not stop:
-                self._stop_flag.fill_(float(self.stop_signal is not None))
-                self._stop_work = dist.all_reduce(self._stop_flag, op=dist.ReduceOp.MAX, group=self._stop_group,
-                                                  async_op=True)
-        if stop:
-            self.stopped_by = signal.Signals(self.stop_signal).name if self.stop_signal else "another rank"
-        return stop
-
     def _log(self, epoch: int, bar: Any) -> None:
-        """Average the loss over ranks and steps since the last log: the only host sync in the loop."""
+        """Average the loss over ranks and steps since the last log, and agree on a stop request: the only
+        collective and host sync of the loop besides DDP's own."""
         if self._loss_count == 0:
             return
-        stats = torch.stack([self._loss_sum.float(), torch.tensor(float(self._loss_count), device=self.output_device)])
+        extra = torch.tensor([float(self._loss_count), float(self.stop_signal is not None)], device=self.output_device)
+        stats = torch.cat([self._loss_sum.float().reshape(1), extra])
         dist.all_reduce(stats)
         loss = (stats[0] / stats[1]).item()
+        if stats[2].item() > 0:  # some rank was asked to stop: every rank stops after this step
+            self.stopped_by = signal.Signals(self.stop_signal).name if self.stop_signal else "another rank's signal"
         now = time.perf_counter()
         samples_per_s = self._samples * self.world.world_size / max(now - self._last_log_time, 1e-9)
         self.last_loss = loss
@@ -356,8 +338,6 @@ class Trainer:
                 at_epoch_end = self.batch_in_epoch == 0
                 if at_epoch_end and self.cfg.save_every and self.epoch % self.cfg.save_every == 0:
                     self._save_snapshot()
-            if self._stop_work is not None:
-                self._stop_work.wait()  # every rank has one check in flight; finish it before the group idles
             if self.step != self._saved_step:
                 self._save_snapshot()
             if self.stopped_by is not None:
