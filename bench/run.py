@@ -2,10 +2,12 @@
 
     python bench/run.py              # 5 interleaved repetitions of every variant, both workloads
     python bench/run.py --reps 2 --no-lightning
+    python bench/run.py --gpu        # NCCL, 1 process on one GPU, bf16, step times from CUDA events
 
-CPU, gloo, 2 processes through torchrun, OMP_NUM_THREADS=1. Results go to bench/results/ as
-results.json and results.png, and a table is printed. Lightning is installed into its own virtual
-environment (bench/.venv-lightning); it is never a dependency of the template or its projects.
+CPU: gloo, 2 processes through torchrun, OMP_NUM_THREADS=1, no pinning. Results go to bench/results/
+as results.json and results.png (results-gpu.* for --gpu), and a table is printed. Lightning is
+installed into its own virtual environment (bench/.venv-lightning); it is never a dependency of the
+template or its projects.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 WARMUP_STEPS = 20
 WORKLOADS = {
-    # tiny: per-step framework overhead over the ~1 ms gloo floor.
-    "tiny": {"hidden-size": 64, "num-layers": 2, "batch-size": 32, "dataset-size": 8192, "epochs": 1},
-    # ~6 MB of parameters (1.5 M floats): all-reduce and bucketing.
-    "mlp-6MB": {"hidden-size": 1224, "num-layers": 2, "batch-size": 32, "dataset-size": 4096, "epochs": 1},
+    # tiny: per-step framework overhead over the ~1 ms gloo floor. 512 steps per run on CPU.
+    "tiny": {"hidden-size": 64, "num-layers": 2, "batch-size": 32, "dataset-size": 32768, "epochs": 1},
+    # ~6 MB of parameters (1.5 M floats): all-reduce and bucketing. 256 steps per run on CPU.
+    "mlp-6MB": {"hidden-size": 1224, "num-layers": 2, "batch-size": 32, "dataset-size": 16384, "epochs": 1},
+    # smoke: checks that every variant runs (the template's tests use it); its timings mean nothing.
+    "smoke": {"hidden-size": 16, "num-layers": 1, "batch-size": 16, "dataset-size": 1536, "epochs": 1},
 }
+DEFAULT_WORKLOADS = "tiny,mlp-6MB"
 VARIANTS = ["ours", "raw", "raw+DataLoader", "tutorial", "lightning"]
 SCRIPTS = {"raw": "raw.py", "raw+DataLoader": "raw_dataloader.py", "tutorial": "tutorial.py",
            "lightning": "lightning_variant.py"}
@@ -59,8 +64,12 @@ def lightning_python() -> str:
     return str(python)
 
 
-def stats(step_ends: list[float], started_at: float, launched_at: float, global_batch: int) -> dict:
-    durations = [1000 * (b - a) for a, b in zip(step_ends, step_ends[1:], strict=False)][WARMUP_STEPS:]
+def stats(result: dict, launched_at: float, global_batch: int) -> dict:
+    step_ends = result["step_ends"]
+    if "cuda_step_ms" in result:  # GPU: time between CUDA events, not host launch times
+        durations = result["cuda_step_ms"][WARMUP_STEPS:]
+    else:
+        durations = [1000 * (b - a) for a, b in zip(step_ends, step_ends[1:], strict=False)][WARMUP_STEPS:]
     median = statistics.median(durations)
     return {
         "median_ms": median,
@@ -68,62 +77,106 @@ def stats(step_ends: list[float], started_at: float, launched_at: float, global_
         "samples_per_s": global_batch * 1000 / median,
         "first_step_s": step_ends[0] - launched_at,
         "steps": len(step_ends),
-        "import_to_first_step_s": step_ends[0] - started_at,
+        "import_to_first_step_s": step_ends[0] - result["started_at"],
     }
 
 
-def run_variant(name: str, workload: dict, project: Path, work: Path, python_for_lightning: str | None) -> dict:
-    work.mkdir(parents=True, exist_ok=True)
+def run_variant(name: str, workload: dict, project: Path, work: Path, python_for_lightning: str | None,
+                gpu: bool) -> dict:
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
     flags = [f"--{k}={v}" for k, v in workload.items()]
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    nproc = 1 if gpu else 2
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{project}{os.pathsep}{HERE / 'variants'}"}
     python = python_for_lightning if name == "lightning" else sys.executable
     if name == "ours":
-        cmd = [python, *torchrun, str(project / "train.py"), *flags, "--no-progress", "--val-fraction=0",
-               "--save-every=0", "--resume=never", f"--output-dir={work}/runs", f"--checkpoint-dir={work}/ck",
-               f"--step-times={work}/steps.json"]
+        device_flags = ["--backend=nccl", "--precision=bf16"] if gpu else []
+        cmd = [python, *torchrun, str(project / "train.py"), *flags, *device_flags, "--no-progress",
+               "--val-fraction=0", "--save-every=0", "--resume=never", f"--output-dir={work}/runs",
+               f"--checkpoint-dir={work}/ck", f"--step-times={work}/steps.json"]
     else:
-        cmd = [python, *torchrun, str(HERE / "variants" / SCRIPTS[name]), *flags, f"--result={work}/steps.json"]
+        cmd = [python, *torchrun, str(HERE / "variants" / SCRIPTS[name]), *flags,
+               f"--device={'cuda' if gpu else 'cpu'}", f"--result={work}/steps.json"]
     launched_at = time.time()
     proc = subprocess.run([sys.executable, "-c", RSS_WRAPPER, *cmd], cwd=work, env=env, capture_output=True,
                           text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    result = json.loads((work / "steps.json").read_text())
-    out = stats(result["step_ends"], result["started_at"], launched_at, workload["batch-size"] * 2)
+    out = stats(json.loads((work / "steps.json").read_text()), launched_at, workload["batch-size"] * nproc)
     out["peak_rss_mb"] = int(proc.stderr.strip().splitlines()[-1]) / 1024
     if name == "ours":
         out["checkpoint_save_ms"] = json.loads((work / "runs/summary.json").read_text())["checkpoint_save_ms"]
     return out
 
 
+def gpu_error() -> str | None:
+    """Why the GPU mode cannot run here, or None."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return "PyTorch is not installed; run `pip install torch` first"
+    if not torch.cuda.is_available():
+        return "--gpu needs a CUDA GPU and this machine has none; run without --gpu for the CPU benchmark"
+    if not dist.is_nccl_available():
+        return "--gpu needs a PyTorch build with NCCL; install a CUDA build of torch or run without --gpu"
+    return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--no-lightning", action="store_true")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions of every variant")
+    parser.add_argument("--no-lightning", action="store_true", help="skip the Lightning variant")
+    parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, help=f"comma-separated, from {', '.join(WORKLOADS)}")
+    parser.add_argument("--gpu", action="store_true", help="NCCL, 1 process on one GPU, bf16, CUDA-event timing")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the results and the baked project go")
     args = parser.parse_args()
-    RESULTS.mkdir(exist_ok=True)
-    project = bake(RESULTS / "baked")
+    workloads = args.workloads.split(",")
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown or args.reps < 1:
+        print(f"error: unknown workload {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}" if unknown else
+              "error: --reps must be at least 1", file=sys.stderr)
+        return 2
+    if args.gpu and (why := gpu_error()):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    project = bake(args.out / "baked")
     variants = [v for v in VARIANTS if not (v == "lightning" and args.no_lightning)]
     python_for_lightning = lightning_python() if "lightning" in variants else None
-    raw: dict = {w: {v: [] for v in variants} for w in args.workloads.split(",")}
+    raw: dict = {w: {v: [] for v in variants} for w in workloads}
     for workload in raw:
         for rep in range(args.reps):
             for variant in variants:  # interleaved: A B C A B C, so drift hits every variant alike
-                result = run_variant(variant, WORKLOADS[workload], project, RESULTS / "work" / variant,
-                                     python_for_lightning)
+                result = run_variant(variant, WORKLOADS[workload], project, args.out / "work" / variant,
+                                     python_for_lightning, args.gpu)
                 raw[workload][variant].append(result)
                 print(f"{workload} rep {rep + 1}/{args.reps} {variant:15s} {result['median_ms']:.3f} ms/step",
                       flush=True)
     summary = summarize(raw)
-    machine = f"{platform.node()}: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, " \
-              f"Python {platform.python_version()}"
-    (RESULTS / "results.json").write_text(json.dumps({"machine": machine, "reps": args.reps, "workloads": WORKLOADS,
-                                                      "summary": summary, "runs": raw}, indent=1))
-    print(table(summary, machine, args.reps))
-    plot(summary, RESULTS / "results.png")
+    machine = describe_machine(args.gpu)
+    name = "results-gpu" if args.gpu else "results"
+    (args.out / f"{name}.json").write_text(json.dumps(
+        {"machine": machine, "mode": "gpu" if args.gpu else "cpu", "reps": args.reps,
+         "workloads": {w: WORKLOADS[w] for w in workloads}, "summary": summary, "runs": raw}, indent=1))
+    print(table(summary, machine, args.reps, args.gpu))
+    plot(summary, args.out / f"{name}.png")
     return 0
+
+
+def describe_machine(gpu: bool) -> str:
+    text = f"{platform.node()}: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, " \
+           f"Python {platform.python_version()}"
+    try:
+        import torch
+
+        text += f", torch {torch.__version__}"
+        if gpu:
+            text += f", {torch.cuda.get_device_name(0)}"
+    except ImportError:
+        pass
+    return text
 
 
 def summarize(raw: dict) -> dict:
@@ -140,9 +193,10 @@ def summarize(raw: dict) -> dict:
     return summary
 
 
-def table(summary: dict, machine: str, reps: int) -> str:
-    lines = [f"machine: {machine}; gloo, 2 processes, OMP_NUM_THREADS=1; median of {reps} interleaved runs; "
-             f"first {WARMUP_STEPS} steps dropped", "",
+def table(summary: dict, machine: str, reps: int, gpu: bool = False) -> str:
+    mode = "NCCL, 1 process, bf16, CUDA-event step times" if gpu else "gloo, 2 processes, OMP_NUM_THREADS=1"
+    lines = [f"machine: {machine}; {mode}; median of {reps} interleaved runs; first {WARMUP_STEPS} steps dropped",
+             "",
              "| workload | variant | median ms/step | p90 ms/step | ratio to raw | samples/s | launch to first step s "
              "| peak RSS MB | checkpoint save ms |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -1,9 +1,14 @@
 """Shared by the hand-written variants: the baked project's data and model (so every variant trains
-the same thing), step timing, and the result file. Run under torchrun."""
+the same thing), step timing, and the result file. Run under torchrun.
+
+CPU: gloo, fp32, wall-clock step ends. GPU (`--device cuda`): NCCL, bf16 autocast, and each step's
+time measured between CUDA events (the host clock would only time kernel launches).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -24,28 +29,47 @@ def parse() -> argparse.Namespace:
     p.add_argument("--hidden-size", type=int, required=True)
     p.add_argument("--num-layers", type=int, required=True)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--result", required=True)
     return p.parse_args()
 
 
 def setup(args: argparse.Namespace):
-    dist.init_process_group("gloo")
+    """Process group, the project's synthetic data (on CPU) and its MLP (on the device)."""
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)) if args.device == "cuda" else None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
     torch.manual_seed(0)
     data = synthetic_regression(args.dataset_size, seed=0)
-    model = MLP(args.hidden_size, args.num_layers)
-    return data, model
+    model = MLP(args.hidden_size, args.num_layers).to(device)
+    return data, model, device
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 on a GPU (the GPU mode's precision), plain fp32 on CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class StepClock:
-    """Wall-clock time at the end of every optimizer step (CPU: no device to synchronise)."""
+    """Wall-clock time at the end of every optimizer step, plus a CUDA event per step on a GPU."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.ends: list[float] = []
+        self.events: list[torch.cuda.Event] | None = [] if device.type == "cuda" else None
 
     def tick(self) -> None:
         self.ends.append(time.time())
+        if self.events is not None:
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()
 
     def write(self, path: str, **extra) -> None:
+        if self.events:
+            torch.cuda.synchronize()
+            extra["cuda_step_ms"] = [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:], strict=False)]
         if dist.get_rank() == 0:
             with open(path, "w") as f:
                 json.dump({"started_at": STARTED_AT, "step_ends": self.ends, "world_size": dist.get_world_size(),

@@ -1,18 +1,19 @@
 """pytorch-lightning Trainer(strategy="ddp", accelerator="cpu", devices=2) on the same data and model,
 with logging, progress bar, checkpointing and model summary off. Started by torchrun like the others
-(Lightning detects torchrun and uses its processes)."""
+(Lightning detects torchrun and uses its processes). GPU mode: accelerator="gpu", precision="bf16-mixed"."""
 
 import time
 
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from common import StepClock, parse, setup
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 args = parse()
-data, model = setup(args)  # the process group is set up; Lightning reuses it
-clock = StepClock()
+data, model, device = setup(args)  # the process group is set up; Lightning reuses it
+clock = StepClock(device)
 
 
 class Module(pl.LightningModule):
@@ -31,9 +32,11 @@ class Module(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=args.lr)
 
 
+gpu = device.type == "cuda"
 dataset = TensorDataset(data.x, data.y)
-loader = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=0))
-trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=args.epochs, logger=False,
+loader = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=0), pin_memory=gpu)
+trainer = pl.Trainer(strategy="ddp", accelerator="gpu" if gpu else "cpu", devices=dist.get_world_size(),
+                     precision="bf16-mixed" if gpu else "32-true", max_epochs=args.epochs, logger=False,
                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
                      use_distributed_sampler=False)
 trainer.fit(Module(), loader)

@@ -1,24 +1,27 @@
-"""The floor: a minimal DDP loop, batches cut from in-memory tensors by indexing."""
+"""The floor: a minimal DDP loop, batches cut from tensors already on the device by indexing."""
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import StepClock, parse, setup
+from common import StepClock, autocast, parse, setup
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 args = parse()
-data, model = setup(args)
+data, model, device = setup(args)
 rank, world = dist.get_rank(), dist.get_world_size()
-ddp = DDP(model)
+ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
 opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-clock = StepClock()
+x_all, y_all = data.x.to(device), data.y.to(device)
+clock = StepClock(device)
 per_rank = args.dataset_size // world
 for epoch in range(args.epochs):
     g = torch.Generator().manual_seed(epoch)
-    shard = torch.randperm(args.dataset_size, generator=g)[rank * per_rank:(rank + 1) * per_rank]
+    shard = torch.randperm(args.dataset_size, generator=g)[rank * per_rank:(rank + 1) * per_rank].to(device)
     for start in range(0, per_rank, args.batch_size):
         idx = shard[start:start + args.batch_size]
-        loss = F.mse_loss(ddp(data.x[idx]), data.y[idx])
+        with autocast(device):
+            out = ddp(x_all[idx])
+        loss = F.mse_loss(out.float(), y_all[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

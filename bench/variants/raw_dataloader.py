@@ -3,22 +3,25 @@
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import StepClock, parse, setup
+from common import StepClock, autocast, parse, setup
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 args = parse()
-data, model = setup(args)
-ddp = DDP(model)
+data, model, device = setup(args)
+ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
 opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 dataset = TensorDataset(data.x, data.y)
 sampler = DistributedSampler(dataset, seed=0)
-loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
-clock = StepClock()
+loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")
+clock = StepClock(device)
 for epoch in range(args.epochs):
     sampler.set_epoch(epoch)
     for x, y in loader:
-        loss = F.mse_loss(ddp(x), y)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast(device):
+            out = ddp(x)
+        loss = F.mse_loss(out.float(), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

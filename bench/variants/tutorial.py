@@ -1,11 +1,12 @@
 """The ddp-tutorial-series style: a per-sample Dataset of (x, y) tuples, default collate, a Trainer
 with _run_batch/_run_epoch and an extra next(iter(...)) per epoch to print the batch size. Adapted
-only to CPU/gloo (no device ids) and to the same model, loss and optimizer as the others."""
+only to CPU/gloo (no device ids) and to the same model, loss and optimizer as the others; on a GPU it
+moves each batch to the device as the tutorial does, under the GPU mode's bf16 autocast."""
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import StepClock, parse, setup
+from common import StepClock, autocast, parse, setup
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -22,13 +23,15 @@ class PairDataset(Dataset):
 
 
 class Trainer:
-    def __init__(self, model, loader, optimizer, clock):
-        self.model = DDP(model)
-        self.loader, self.optimizer, self.clock = loader, optimizer, clock
+    def __init__(self, model, loader, optimizer, clock, device):
+        self.model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+        self.loader, self.optimizer, self.clock, self.device = loader, optimizer, clock, device
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad()
-        loss = F.mse_loss(self.model(source), targets)
+        with autocast(self.device):
+            out = self.model(source)
+        loss = F.mse_loss(out.float(), targets)
         loss.backward()
         self.optimizer.step()
         self.clock.tick()
@@ -39,7 +42,7 @@ class Trainer:
             print(f"Epoch {epoch} | Batchsize: {b_sz} | Steps: {len(self.loader)}", flush=True)
         self.loader.sampler.set_epoch(epoch)
         for source, targets in self.loader:
-            self._run_batch(source, targets)
+            self._run_batch(source.to(self.device), targets.to(self.device))
 
     def train(self, max_epochs):
         for epoch in range(max_epochs):
@@ -47,11 +50,11 @@ class Trainer:
 
 
 args = parse()
-data, model = setup(args)
+data, model, device = setup(args)
 dataset = PairDataset(data.x, data.y)
 loader = DataLoader(dataset, batch_size=args.batch_size, pin_memory=False, shuffle=False,
                     sampler=DistributedSampler(dataset))
-clock = StepClock()
-Trainer(model, loader, torch.optim.AdamW(model.parameters(), lr=args.lr), clock).train(args.epochs)
+clock = StepClock(device)
+Trainer(model, loader, torch.optim.AdamW(model.parameters(), lr=args.lr), clock, device).train(args.epochs)
 clock.write(args.result)
 dist.destroy_process_group()

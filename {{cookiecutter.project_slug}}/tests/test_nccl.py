@@ -42,9 +42,12 @@ def test_nccl_all_reduce(workdir):
 def test_nccl_ddp_training(workdir):
     n = torch.cuda.device_count()
     ok(run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", TRAIN,
-                "--no-progress", "--backend", "nccl", "--epochs", "2", "--dataset-size", "1024"], workdir))
+                "--no-progress", "--backend", "nccl", "--epochs", "2", "--dataset-size", "1024", "--precision", "bf16",
+                "--step-times", "steps.json"], workdir))
     summary = json.loads((workdir / "runs/latest/summary.json").read_text())
     assert summary["backend"] == "nccl" and summary["world_size"] == n
+    steps = json.loads((workdir / "steps.json").read_text())
+    assert len(steps["cuda_step_ms"]) == len(steps["step_ends"]) - 1 and min(steps["cuda_step_ms"]) > 0
 
 
 def test_nccl_model_parallel_on_one_gpu(workdir):

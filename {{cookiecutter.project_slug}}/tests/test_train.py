@@ -38,14 +38,16 @@ def test_two_process_training_learns_and_leaves_its_files(workdir):
 
 def test_resume_mid_epoch_matches_an_uninterrupted_run(workdir):
     ok(torchrun([*SMALL, "--epochs", "2", "--output-dir", "a/runs", "--checkpoint-dir", "a/ckpt"], workdir))
-    # Stop at step 40 (8 batches into the second epoch), then resume to the end.
+    # Stop at step 37 (5 batches into the second epoch, between log steps), then resume to the end.
     b = [*SMALL, "--epochs", "2", "--output-dir", "b/runs", "--checkpoint-dir", "b/ckpt"]
-    ok(torchrun([*b, "--max-steps", "40"], workdir))
+    ok(torchrun([*b, "--max-steps", "37"], workdir))
+    stopped, last_log = json.loads((workdir / "b/runs/summary.json").read_text()), read_metrics(workdir / "b/runs")[-1]
+    assert stopped["steps"] == last_log["step"] == 37 and stopped["final_loss"] == last_log["loss"]
     resumed = ok(torchrun(b, workdir))
     assert "resumed from" in resumed.stdout
 
     summary = json.loads((workdir / "b/runs/summary.json").read_text())
-    assert summary["resumed_from"].endswith("ckpt_step00000040.pt") and summary["steps"] == 64
+    assert summary["resumed_from"].endswith("ckpt_step00000037.pt") and summary["steps"] == 64
     assert [m["step"] for m in read_metrics(workdir / "b/runs")][-3:] == [50, 60, 64]
 
     expected, got = final_model(workdir / "a/ckpt"), final_model(workdir / "b/ckpt")

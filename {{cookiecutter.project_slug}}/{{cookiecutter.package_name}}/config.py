@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-dir", default=d.output_dir, help="metrics.jsonl and summary.json go here")
     g.add_argument("--log-every", type=_positive_int, default=d.log_every, help="log every N optimizer steps")
     g.add_argument("--step-times", default=d.step_times, metavar="PATH",
-                   help="write rank 0's wall-clock time at the end of every optimizer step to this JSON file")
+                   help="write rank 0's wall-clock time at the end of every optimizer step (on a GPU also "
+                        "each step's CUDA-event time) to this JSON file")
     g.add_argument("--tracker", choices=["none", "tensorboard"], default=d.tracker,
                    help="also write metrics to TensorBoard")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

@@ -109,6 +109,9 @@ class Trainer:
         self.stopped_by: str | None = None
         self.val_loss: float | None = None
         self._step_ends: list[float] = []  # perf_counter after each optimizer step, for the step-time report
+        # On a GPU the host clock only sees kernel launches; --step-times also records a CUDA event per step.
+        want_events = bool(cfg.step_times) and self.output_device.type == "cuda"
+        self._step_events: list[torch.cuda.Event] | None = [] if want_events else None
         self._first_step_s: float | None = None
         self._save_ms: list[float] = []
 
@@ -197,11 +200,17 @@ class Trainer:
         """
         # no_sync must cover the backward too: that is where DDP's all-reduce hooks fire.
         with self.model.no_sync() if not sync else contextlib.nullcontext():
-            with torch.autocast(self.input_device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            with self._autocast():
                 out = self.model(x)
             loss = F.mse_loss(out.float(), y)
             self.scaler.scale(loss if weight == 1.0 else loss * weight).backward()
         return loss.detach()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        # In fp32 skip autocast altogether: even a disabled autocast costs a few microseconds a step.
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.input_device.type, dtype=self.amp_dtype)
 
     def _optimizer_step(self) -> None:
         if self.cfg.clip_grad > 0:
@@ -249,9 +258,13 @@ class Trainer:
             self.step += 1
             self.batch_in_epoch = i + 1
             self._step_ends.append(time.perf_counter())
+            if self._step_events is not None:
+                self._step_events.append(torch.cuda.Event(enable_timing=True))
+                self._step_events[-1].record()
             if self._first_step_s is None:
                 self._first_step_s = time.time() - self.started_at
-            if self.step % self.cfg.log_every == 0 or i + 1 == total:
+            last_step = bool(self.cfg.max_steps) and self.step >= self.cfg.max_steps
+            if self.step % self.cfg.log_every == 0 or i + 1 == total or last_step:
                 self._log(epoch, bar)
             if self._done():
                 break
@@ -273,7 +286,7 @@ class Trainer:
         self.raw_model.eval()
         for chunk in indices.split(max(self.cfg.batch_size, 256)):
             x, y = self.val_set[chunk]
-            with torch.autocast(self.input_device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            with self._autocast():
                 out = self.raw_model(x.to(self.input_device))
             error = out.double() - y.to(self.output_device, torch.float64)
             totals[0] += error.square().sum()
@@ -327,6 +340,16 @@ class Trainer:
         return tqdm(total=total, initial=self.batch_in_epoch, desc=f"epoch {epoch}", file=sys.stderr,
                     dynamic_ncols=True, leave=False)
 
+    def _write_step_times(self, path: Path) -> None:
+        """Wall-clock end of every step (and on a GPU each step's time between CUDA events), as JSON."""
+        to_wall = time.time() - time.perf_counter()
+        report: dict[str, Any] = {"started_at": self.started_at, "step_ends": [t + to_wall for t in self._step_ends]}
+        if self._step_events:
+            torch.cuda.synchronize(self.output_device)
+            events = self._step_events
+            report["cuda_step_ms"] = [a.elapsed_time(b) for a, b in zip(events, events[1:], strict=False)]
+        path.write_text(json.dumps(report))
+
     def train(self) -> dict[str, Any]:
         """Train until --epochs (or --max-steps), saving as configured; returns the run summary."""
         self.metrics = MetricsWriter(self.cfg.output_dir, self.world.is_main, self.cfg.tracker,
@@ -369,9 +392,7 @@ class Trainer:
             }
             path = self.metrics.write_summary(summary)
             if self.cfg.step_times and self.world.is_main:
-                to_wall = time.time() - time.perf_counter()
-                Path(self.cfg.step_times).write_text(json.dumps(
-                    {"started_at": self.started_at, "step_ends": [t + to_wall for t in self._step_ends]}))
+                self._write_step_times(Path(self.cfg.step_times))
         finally:
             self.metrics.close()
         if self.world.is_main:

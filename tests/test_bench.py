@@ -1,0 +1,46 @@
+"""The benchmark runs every variant for real (a short smoke workload; its timings mean nothing)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from conftest import PYTHON, ROOT
+
+BENCH = [PYTHON, str(ROOT / "bench" / "run.py")]
+
+
+def test_bench_smoke_runs_every_variant_and_writes_its_report(tmp_path):
+    result = subprocess.run([*BENCH, "--reps", "1", "--no-lightning", "--workloads", "smoke", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["mode"] == "cpu" and report["reps"] == 1
+    summary = report["summary"]["smoke"]
+    assert list(summary) == ["ours", "raw", "raw+DataLoader", "tutorial"]
+    for variant, values in summary.items():
+        # 1536 samples / (2 ranks x 16) = 48 steps each, and every statistic was measured.
+        assert values["steps"] == 48, variant
+        assert 0 < values["median_ms"] <= values["p90_ms"] and values["samples_per_s"] > 0
+        assert 0 < values["import_to_first_step_s"] < values["first_step_s"] < 120 and values["peak_rss_mb"] > 50
+    assert summary["raw"]["ratio_to_raw"] == 1.0 and summary["ours"]["checkpoint_save_ms"] > 0
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| smoke |")]
+    assert [row.split("|")[2].strip() for row in rows] == list(summary)
+
+
+def test_bench_refuses_bad_arguments_in_one_line(tmp_path):
+    bad = subprocess.run([*BENCH, "--workloads", "huge", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: unknown workload huge; choose from tiny, mlp-6MB, smoke"]
+    assert not any(tmp_path.iterdir()), "nothing is baked before the arguments are checked"
+
+
+def test_bench_gpu_mode_says_why_it_cannot_run_without_a_gpu(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: `python bench/run.py --gpu` runs for real")
+    result = subprocess.run([*BENCH, "--gpu", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --gpu needs a CUDA GPU and this machine has none; run without --gpu for the CPU benchmark"]
