@@ -28,7 +28,6 @@ def parse() -> argparse.Namespace:
     p.add_argument("--epochs", type=int, required=True)
     p.add_argument("--hidden-size", type=int, required=True)
     p.add_argument("--num-layers", type=int, required=True)
-    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--result", required=True)
     return p.parse_args()
@@ -46,6 +45,11 @@ def setup(args: argparse.Namespace):
     data = synthetic_regression(args.dataset_size, seed=0)
     model = MLP(args.hidden_size, args.num_layers).to(device)
     return data, model, device
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    """The generated project's optimizer with its defaults (--lr 3e-3, --weight-decay 0)."""
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
 
 
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:

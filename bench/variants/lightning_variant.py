@@ -5,10 +5,9 @@ with logging, progress bar, checkpointing and model summary off. Started by torc
 import time
 
 import pytorch_lightning as pl
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import StepClock, parse, setup
+from common import StepClock, make_optimizer, parse, setup
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 args = parse()
@@ -29,7 +28,7 @@ class Module(pl.LightningModule):
         clock.tick()
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=args.lr)
+        return make_optimizer(self.parameters())
 
 
 gpu = device.type == "cuda"

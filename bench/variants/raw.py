@@ -3,14 +3,14 @@
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import StepClock, autocast, parse, setup
+from common import StepClock, autocast, make_optimizer, parse, setup
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 args = parse()
 data, model, device = setup(args)
 rank, world = dist.get_rank(), dist.get_world_size()
 ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
-opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+opt = make_optimizer(model.parameters())
 x_all, y_all = data.x.to(device), data.y.to(device)
 clock = StepClock(device)
 per_rank = args.dataset_size // world

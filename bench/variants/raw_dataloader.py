@@ -1,16 +1,15 @@
 """The same loop fed by DataLoader + DistributedSampler with per-sample indexing and default collate."""
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import StepClock, autocast, parse, setup
+from common import StepClock, autocast, make_optimizer, parse, setup
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 args = parse()
 data, model, device = setup(args)
 ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
-opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+opt = make_optimizer(model.parameters())
 dataset = TensorDataset(data.x, data.y)
 sampler = DistributedSampler(dataset, seed=0)
 loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")

@@ -3,10 +3,9 @@ with _run_batch/_run_epoch and an extra next(iter(...)) per epoch to print the b
 only to CPU/gloo (no device ids) and to the same model, loss and optimizer as the others; on a GPU it
 moves each batch to the device as the tutorial does, under the GPU mode's bf16 autocast."""
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import StepClock, autocast, parse, setup
+from common import StepClock, autocast, make_optimizer, parse, setup
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -55,6 +54,6 @@ dataset = PairDataset(data.x, data.y)
 loader = DataLoader(dataset, batch_size=args.batch_size, pin_memory=False, shuffle=False,
                     sampler=DistributedSampler(dataset))
 clock = StepClock(device)
-Trainer(model, loader, torch.optim.AdamW(model.parameters(), lr=args.lr), clock, device).train(args.epochs)
+Trainer(model, loader, make_optimizer(model.parameters()), clock, device).train(args.epochs)
 clock.write(args.result)
 dist.destroy_process_group()
