@@ -110,6 +110,19 @@ def run_variant(name: str, workload: dict, project: Path, work: Path, python_for
     return out
 
 
+def measure_overhead(project: Path, work: Path, pairs: int) -> dict:
+    """Ours and raw alternating in one process (variants/overhead.py): resolves tens of microseconds."""
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{project}{os.pathsep}{HERE / 'variants'}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           str(HERE / "variants" / "overhead.py"), f"--pairs={pairs}", f"--result={work}/overhead.json"]
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"overhead measurement failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads((work / "overhead.json").read_text())
+
+
 def gpu_error() -> str | None:
     """Why the GPU mode cannot run here, or None."""
     try:
@@ -131,6 +144,8 @@ def main() -> int:
     parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, help=f"comma-separated, from {', '.join(WORKLOADS)}")
     parser.add_argument("--gpu", action="store_true", help="NCCL, 1 process on one GPU, bf16, CUDA-event timing")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the results and the baked project go")
+    parser.add_argument("--pairs", type=int, default=20,
+                        help="CPU: paired in-process runs for the per-step overhead of ours over raw (0 = skip)")
     args = parser.parse_args()
     workloads = args.workloads.split(",")
     unknown = [w for w in workloads if w not in WORKLOADS]
@@ -155,12 +170,19 @@ def main() -> int:
                 print(f"{workload} rep {rep + 1}/{args.reps} {variant:15s} {result['median_ms']:.3f} ms/step",
                       flush=True)
     summary = summarize(raw)
+    overhead = measure_overhead(project, args.out / "work" / "overhead", args.pairs) if args.pairs and not args.gpu \
+        else None
     machine = describe_machine(args.gpu)
     name = "results-gpu" if args.gpu else "results"
     (args.out / f"{name}.json").write_text(json.dumps(
         {"machine": machine, "mode": "gpu" if args.gpu else "cpu", "reps": args.reps,
-         "workloads": {w: WORKLOADS[w] for w in workloads}, "summary": summary, "runs": raw}, indent=1))
+         "workloads": {w: WORKLOADS[w] for w in workloads}, "summary": summary, "overhead": overhead,
+         "runs": raw}, indent=1))
     print(table(summary, machine, args.reps, args.gpu))
+    if overhead:
+        print(f"\nper-step overhead of ours over raw in one process (world size 1, tiny model, median of "
+              f"{overhead['pairs']} paired runs of {overhead['steps_per_run']} steps): "
+              f"{overhead['overhead_us']:+.0f} us/step, ratio {overhead['ratio']:.3f}")
     plot(summary, args.out / f"{name}.png")
     return 0
 
@@ -187,6 +209,9 @@ def summarize(raw: dict) -> dict:
         for variant, runs in per_variant.items():
             keys = runs[0].keys()
             summary[workload][variant] = {k: statistics.median(r[k] for r in runs) for k in keys}
+            # How much one run differs from the next on this machine: read small ratios against it.
+            summary[workload][variant]["median_ms_range"] = [min(r["median_ms"] for r in runs),
+                                                             max(r["median_ms"] for r in runs)]
         floor = summary[workload]["raw"]["median_ms"]
         for values in summary[workload].values():
             values["ratio_to_raw"] = values["median_ms"] / floor
@@ -197,15 +222,16 @@ def table(summary: dict, machine: str, reps: int, gpu: bool = False) -> str:
     mode = "NCCL, 1 process, bf16, CUDA-event step times" if gpu else "gloo, 2 processes, OMP_NUM_THREADS=1"
     lines = [f"machine: {machine}; {mode}; median of {reps} interleaved runs; first {WARMUP_STEPS} steps dropped",
              "",
-             "| workload | variant | median ms/step | p90 ms/step | ratio to raw | samples/s | launch to first step s "
-             "| peak RSS MB | checkpoint save ms |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| workload | variant | median ms/step | runs' range | p90 ms/step | ratio to raw | samples/s "
+             "| launch to first step s | peak RSS MB | checkpoint save ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for workload, per_variant in summary.items():
         for variant, v in per_variant.items():
             save = f"{v['checkpoint_save_ms']:.1f}" if "checkpoint_save_ms" in v else ""
-            lines.append(f"| {workload} | {variant} | {v['median_ms']:.3f} | {v['p90_ms']:.3f} | "
-                         f"{v['ratio_to_raw']:.3f} | {v['samples_per_s']:.0f} | {v['first_step_s']:.2f} | "
-                         f"{v['peak_rss_mb']:.0f} | {save} |")
+            low, high = v["median_ms_range"]
+            lines.append(f"| {workload} | {variant} | {v['median_ms']:.3f} | {low:.2f}-{high:.2f} | "
+                         f"{v['p90_ms']:.3f} | {v['ratio_to_raw']:.3f} | {v['samples_per_s']:.0f} | "
+                         f"{v['first_step_s']:.2f} | {v['peak_rss_mb']:.0f} | {save} |")
     return "\n".join(lines)
 
 

@@ -12,8 +12,8 @@ BENCH = [PYTHON, str(ROOT / "bench" / "run.py")]
 
 
 def test_bench_smoke_runs_every_variant_and_writes_its_report(tmp_path):
-    result = subprocess.run([*BENCH, "--reps", "1", "--no-lightning", "--workloads", "smoke", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([*BENCH, "--reps", "1", "--no-lightning", "--workloads", "smoke", "--pairs", "1",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["mode"] == "cpu" and report["reps"] == 1
@@ -25,6 +25,9 @@ def test_bench_smoke_runs_every_variant_and_writes_its_report(tmp_path):
         assert 0 < values["median_ms"] <= values["p90_ms"] and values["samples_per_s"] > 0
         assert 0 < values["import_to_first_step_s"] < values["first_step_s"] < 120 and values["peak_rss_mb"] > 50
     assert summary["raw"]["ratio_to_raw"] == 1.0 and summary["ours"]["checkpoint_save_ms"] > 0
+    overhead = report["overhead"]  # ours' real Trainer and the raw loop, alternating in one process
+    assert overhead["pairs"] == 1 and len(overhead["ours_ms"]) == len(overhead["raw_ms"]) == 1
+    assert min(overhead["ours_ms"] + overhead["raw_ms"]) > 0 and "per-step overhead of ours" in result.stdout
     rows = [line for line in result.stdout.splitlines() if line.startswith("| smoke |")]
     assert [row.split("|")[2].strip() for row in rows] == list(summary)
 
