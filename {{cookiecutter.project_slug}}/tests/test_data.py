@@ -65,6 +65,19 @@ def test_loader_yields_whole_batches_by_tensor_indexing():
     assert torch.equal(batches[0][0], dataset.x[indices[0]])
 
 
+def test_in_process_loader_and_worker_loader_yield_the_same_batches():
+    dataset = synthetic_regression(50, seed=0)
+    for rank in (0, 1):
+        batches = []
+        for workers in (0, 1):  # InMemoryLoader, then a DataLoader with one worker process
+            loader = build_loader(dataset, rank, 2, batch_size=8, seed=5, num_workers=workers)
+            loader.sampler.set_epoch(3, start_batch=1)
+            batches.append(list(loader))
+        assert len(batches[0]) == len(batches[1]) == 3
+        for (x0, y0), (x1, y1) in zip(*batches, strict=True):
+            assert torch.equal(x0, x1) and torch.equal(y0, y1)
+
+
 def test_tensor_file_round_trip(tmp_path):
     x, y = torch.randn(10, 20), torch.randn(10)
     save_tensor_file(tmp_path / "d.pt", x, y)

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from .checkpoint import load_checkpoint, load_for_resume, save_checkpoint
 from .config import Config
-from .data import TensorPairDataset, eval_shard
+from .data import InMemoryLoader, TensorPairDataset, eval_shard
 from .distributed import SetupError, World
 from .metrics import MetricsWriter
 
@@ -62,7 +62,7 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, world: World, model: nn.Module, loader: DataLoader,
+    def __init__(self, cfg: Config, world: World, model: nn.Module, loader: InMemoryLoader | DataLoader,
                  devices: list[torch.device], backend: str, val_set: TensorPairDataset | None = None,
                  started_at: float | None = None) -> None:
         self.cfg, self.world, self.loader, self.backend = cfg, world, loader, backend
