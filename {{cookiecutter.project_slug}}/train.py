@@ -1,6 +1,6 @@
 """Start training: `torchrun --standalone --nproc-per-node=2 train.py --epochs 3` (see README.md)."""
 
-from {{ cookiecutter.package_name }}.train import main
+from {{ cookiecutter.package_name }}.train import exit_process, main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

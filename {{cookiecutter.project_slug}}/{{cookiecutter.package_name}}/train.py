@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -97,6 +98,19 @@ def rendezvous_dir(cfg: Config) -> Path:
     return Path(cfg.output_dir) / "rendezvous"
 
 
+def exit_process(code: int) -> NoReturn:
+    """End a training process without Python's interpreter shutdown.
+
+    torch keeps a process group used by DDP alive until the process ends, and gloo's worker threads
+    can let go of a tensor while the interpreter is being torn down. That aborts a run that finished
+    fine ("terminate called without an active exception", exit -6; torchrun then calls it a failure).
+    By now everything is saved and closed: flush the output and leave.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _spawn_worker(index: int, cfg: Config, nprocs: int, port: int, run_id: str) -> None:
     world = World(rank=index, local_rank=index, world_size=nprocs, local_world_size=nprocs,
                   launcher="spawn", master_addr="127.0.0.1", master_port=port, run_id=run_id)
@@ -104,7 +118,8 @@ def _spawn_worker(index: int, cfg: Config, nprocs: int, port: int, run_id: str) 
         run(cfg, world)
     except SetupError as exc:
         report_error(exc)
-        sys.exit(1)
+        exit_process(1)
+    exit_process(0)
 
 
 def spawn(cfg: Config) -> int:
