@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path, PureWindowsPath
-from urllib.parse import unquote
+from urllib.parse import unquote, urlparse
+from urllib.request import url2pathname
 
 import torch
 import torch.distributed as dist
@@ -331,7 +332,7 @@ def windows_env(platform: str, torch_version: str) -> dict[str, str]:
 
 def ddp_setup(world: World, backend: str, init_method: str, timeout_s: float,
               devices: list[torch.device], rendezvous_dir: Path) -> str:
-    """Set the device, then join the process group. Returns the backend actually used."""
+    """Set the device, then join the process group. Returns the init URL used (for `cleanup`)."""
     for name, value in windows_env(sys.platform, torch.__version__).items():
         os.environ.setdefault(name, value)
     if devices[0].type == "cuda":
@@ -367,7 +368,7 @@ def ddp_setup(world: World, backend: str, init_method: str, timeout_s: float,
             raise SetupError(f"port {world.master_port} on {world.master_addr} is already in use; "
                              "set MASTER_PORT to a free port (or use torchrun --standalone)") from None
         raise
-    return backend
+    return url
 
 
 # What gloo and NCCL say when a peer died, stalled past --timeout-s, or dropped its connection.
@@ -401,7 +402,19 @@ def describe_communication_failure(world: World, exc: BaseException, timeout_s: 
             f"--timeout-s={timeout_s:g} ends the job; see that rank's own output for why")
 
 
-def cleanup() -> None:
-    """Leave the process group; safe to call when it was never joined."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def cleanup(init_url: str = "") -> None:
+    """Leave the process group; safe to call when it was never joined.
+
+    Pass the URL `ddp_setup` returned: the file of a file:// store is removed by the last rank to leave.
+    (torch removes it when the store is freed, but DDP keeps the group and its store until the process
+    ends, and training processes end with os._exit: see train.exit_process.)
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    last_to_leave = False
+    if init_url.startswith("file://"):
+        store = dist.distributed_c10d._get_default_store()
+        last_to_leave = store.add("ranks_done", 1) == dist.get_world_size()
+    dist.destroy_process_group()
+    if last_to_leave:
+        Path(url2pathname(urlparse(init_url).path)).unlink(missing_ok=True)

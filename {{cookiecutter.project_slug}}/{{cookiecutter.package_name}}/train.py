@@ -56,8 +56,10 @@ def run(cfg: Config, world: World) -> dict:
     devices = assign_devices(world.local_rank, world.local_world_size, cuda_count, cfg.model_layout,
                              cfg.stage_devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    init_url = ""
     try:
-        ddp_setup(world, backend, cfg.init_method, cfg.timeout_s, devices, rendezvous_dir=rendezvous_dir(cfg))
+        init_url = ddp_setup(world, backend, cfg.init_method, cfg.timeout_s, devices,
+                             rendezvous_dir=rendezvous_dir(cfg))
         if world.is_main:
             print(f"world: {world.world_size} process(es), launcher {world.launcher}, backend {backend}, "
                   f"rank 0 on {', '.join(map(str, devices))}", flush=True)
@@ -90,7 +92,7 @@ def run(cfg: Config, world: World) -> dict:
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-        cleanup()
+        cleanup(init_url)
 
 
 def rendezvous_dir(cfg: Config) -> Path:
