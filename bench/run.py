@@ -64,6 +64,11 @@ def lightning_python() -> str:
     return str(python)
 
 
+def variant_env(project: Path) -> dict[str, str]:
+    """One thread per process; the baked project and the variants importable."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{project}{os.pathsep}{HERE / 'variants'}"}
+
+
 def stats(result: dict, launched_at: float, global_batch: int) -> dict:
     step_ends = result["step_ends"]
     if "cuda_step_ms" in result:  # GPU: time between CUDA events, not host launch times
@@ -88,7 +93,7 @@ def run_variant(name: str, workload: dict, project: Path, work: Path, python_for
     flags = [f"--{k}={v}" for k, v in workload.items()]
     nproc = 1 if gpu else 2
     torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{project}{os.pathsep}{HERE / 'variants'}"}
+    env = variant_env(project)
     python = python_for_lightning if name == "lightning" else sys.executable
     if name == "ours":
         device_flags = ["--backend=nccl", "--precision=bf16"] if gpu else []
@@ -114,7 +119,7 @@ def measure_overhead(project: Path, work: Path, pairs: int) -> dict:
     """Ours and raw alternating in one process (variants/overhead.py): resolves tens of microseconds."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{project}{os.pathsep}{HERE / 'variants'}"}
+    env = variant_env(project)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
            str(HERE / "variants" / "overhead.py"), f"--pairs={pairs}", f"--result={work}/overhead.json"]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import time
 
 import torch
@@ -55,6 +56,17 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:
     """bf16 on a GPU (the GPU mode's precision), plain fp32 on CPU."""
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def finish() -> None:
+    """Leave the process group and end the process without interpreter shutdown, as the generated
+    project does (train.exit_process): torch keeps a DDP's gloo group alive to the end, and a worker
+    thread releasing a tensor during shutdown can abort a finished run. Nothing here is timed."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class StepClock:

@@ -7,7 +7,7 @@ import time
 import pytorch_lightning as pl
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import StepClock, make_optimizer, parse, setup
+from common import StepClock, finish, make_optimizer, parse, setup
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 args = parse()
@@ -40,3 +40,4 @@ trainer = pl.Trainer(strategy="ddp", accelerator="gpu" if gpu else "cpu", device
                      use_distributed_sampler=False)
 trainer.fit(Module(), loader)
 clock.write(args.result, finished_at=time.time())
+finish()

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import make_optimizer
+from common import finish, make_optimizer
 from ddp_project.config import Config
 from ddp_project.data import build_loader, synthetic_regression
 from ddp_project.distributed import World
@@ -92,7 +92,7 @@ def main() -> None:
         report[f"ratio_{name}"] = statistics.median(o / r for o, r in pairs)
     with open(args.result, "w") as f:
         json.dump(report, f)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

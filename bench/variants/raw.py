@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import StepClock, autocast, make_optimizer, parse, setup
+from common import StepClock, autocast, finish, make_optimizer, parse, setup
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 args = parse()
@@ -27,4 +27,4 @@ for epoch in range(args.epochs):
         opt.step()
         clock.tick()
 clock.write(args.result)
-dist.destroy_process_group()
+finish()

@@ -1,8 +1,7 @@
 """The same loop fed by DataLoader + DistributedSampler with per-sample indexing and default collate."""
 
-import torch.distributed as dist
 import torch.nn.functional as F
-from common import StepClock, autocast, make_optimizer, parse, setup
+from common import StepClock, autocast, finish, make_optimizer, parse, setup
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -26,4 +25,4 @@ for epoch in range(args.epochs):
         opt.step()
         clock.tick()
 clock.write(args.result)
-dist.destroy_process_group()
+finish()

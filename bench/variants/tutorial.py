@@ -5,7 +5,7 @@ moves each batch to the device as the tutorial does, under the GPU mode's bf16 a
 
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import StepClock, autocast, make_optimizer, parse, setup
+from common import StepClock, autocast, finish, make_optimizer, parse, setup
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -56,4 +56,4 @@ loader = DataLoader(dataset, batch_size=args.batch_size, pin_memory=False, shuff
 clock = StepClock(device)
 Trainer(model, loader, make_optimizer(model.parameters()), clock, device).train(args.epochs)
 clock.write(args.result)
-dist.destroy_process_group()
+finish()
