@@ -263,8 +263,8 @@ class Trainer:
                 self._step_events[-1].record()
             if self._first_step_s is None:
                 self._first_step_s = time.time() - self.started_at
-            last_step = bool(self.cfg.max_steps) and self.step >= self.cfg.max_steps
-            if self.step % self.cfg.log_every == 0 or i + 1 == total or last_step:
+            # _done() here means --max-steps was reached: the last step is always logged.
+            if self.step % self.cfg.log_every == 0 or i + 1 == total or self._done():
                 self._log(epoch, bar)
             if self._done():
                 break
