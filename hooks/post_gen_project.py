@@ -1,4 +1,5 @@
-"""Delete the files these answers do not use, then say what to run next."""
+"""Shape the new project to the answers: keep the chosen example task, delete the files the
+answers do not use, then say what to run next."""
 
 import json
 import shutil
@@ -11,9 +12,11 @@ def truthy(value) -> bool:
     return value is True or str(value).strip().lower() in {"true", "yes", "y", "1", "on"}
 
 
+# Files that only some answers use: deleted when the answer is no.
 UNUSED = {
     "slurm": ["scripts/slurm", "tests/test_slurm.py"],
     "windows_support": ["scripts/train_windows.ps1"],
+    "kubernetes": ["Dockerfile", ".dockerignore", "k8s", "tests/test_kubernetes.py"],
     "github_actions": [".github"],
 }
 
@@ -24,17 +27,30 @@ LAUNCH = {
 }
 
 
+def remove(target: Path) -> None:
+    if target.is_dir():
+        shutil.rmtree(target)
+    elif target.exists():
+        target.unlink()
+
+
 def main() -> None:
     root = Path.cwd()
+    package = root / ANSWERS["package_name"]
+    task = ANSWERS["task"]
+    # The chosen example becomes the project's task.py (and its tests test_task.py).
+    (package / "tasks" / f"{task}.py").replace(package / "task.py")
+    (root / "tests" / "tasks" / f"test_{task}.py").replace(root / "tests" / "test_task.py")
+    (root / "configs" / f"{task}.toml").replace(root / "configs" / "example.toml")
+    remove(package / "tasks")
+    remove(root / "tests" / "tasks")
+    for path in (root / "configs").glob("*.toml"):
+        if path.name != "example.toml":
+            path.unlink()
     for answer, paths in UNUSED.items():
-        if truthy(ANSWERS[answer]):
-            continue
-        for rel in paths:
-            target = root / rel
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
+        if not truthy(ANSWERS[answer]):
+            for rel in paths:
+                remove(root / rel)
     print(f"""
 Created {root}
 

@@ -1,12 +1,13 @@
 """Refuse answers that cannot give a working project, before any file is written.
 
 Each problem prints one line, `ERROR: <variable> <value>: <why>; <what would work>`, and exits 1.
+Cookiecutter then removes the project folder it created for the hook to run in; a slug with a path
+separator still makes exactly one folder (see folder_name.py), so nothing is left behind.
 """
 
 import json
 import keyword
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,8 +16,8 @@ ANSWERS = json.loads(r"""{{ cookiecutter | tojson }}""")
 
 # Packages the generated project imports, and its own top-level names: a package with one of these
 # names would shadow them.
-TAKEN = {"torch", "tqdm", "tensorboard", "numpy", "pytest", "ruff", "setuptools", "pip", "train", "tests",
-         "scripts", "conftest"}
+TAKEN = {"torch", "tqdm", "tensorboard", "wandb", "mlflow", "tomli", "numpy", "pytest", "ruff",
+         "setuptools", "pip", "train", "tests", "scripts", "configs", "k8s", "conftest"}
 SLUG = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 
@@ -46,38 +47,10 @@ def problems(a: dict) -> list[str]:
     return found
 
 
-# A slug like 'a/b' makes cookiecutter create 'a/' and then 'a/b/' before this hook runs; on failure it
-# removes only 'a/b/'. This waits for that removal, then deletes the empty folders above it (never
-# above the output folder), so a refused bake leaves nothing behind.
-_CLEANER = """
-import os, sys, time
-project, output = sys.argv[1], os.path.realpath(sys.argv[2])
-deadline = time.time() + 30
-while os.path.exists(project) and time.time() < deadline:
-    time.sleep(0.02)
-folder = os.path.dirname(project)
-while os.path.realpath(folder).startswith(output + os.sep):
-    try:
-        os.rmdir(folder)
-    except OSError:
-        break
-    folder = os.path.dirname(folder)
-"""
-
-
-def clean_up_parent_folders_later() -> None:
-    project, output = Path.cwd(), Path(ANSWERS.get("_output_dir") or ".").resolve()
-    if project.parent.resolve() != output:
-        subprocess.Popen([sys.executable, "-c", _CLEANER, str(project), str(output)],
-                         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 def main() -> int:
     found = problems(ANSWERS)
     for problem in found:
         print(f"ERROR: {problem}", file=sys.stderr)
-    if found:
-        clean_up_parent_folders_later()
     return 1 if found else 0
 
 

@@ -13,49 +13,92 @@ import torch
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(PROJECT_ROOT / "train.py")
+# Variables a launcher sets: a test starts its own jobs and must never inherit a world.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+                 "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID",
+                 "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "KUBERNETES_SERVICE_HOST")
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID"):
-        env.pop(name, None)  # never inherit a world from the shell running the tests
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env
 
 
-def run_cmd(cmd: list[str], cwd: Path, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+def run_cmd(cmd: list[str], cwd: Path, timeout: float = 240,
+            **env: str) -> subprocess.CompletedProcess:
     """Run a command to completion; a hang fails the test instead of blocking the suite."""
-    return subprocess.run(cmd, cwd=cwd, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=child_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
 
 
-def torchrun(args: list[str], cwd: Path, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", TRAIN,
-           "--no-progress", *args]
-    return run_cmd(cmd, cwd, timeout)
+def torchrun_cmd(nproc: int = 2, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", *extra]
 
 
-def python_train(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    return run_cmd([sys.executable, TRAIN, "--no-progress", *args], cwd, timeout)
+def torchrun(args: list[str], cwd: Path, nproc: int = 2, timeout: float = 240,
+             **env: str) -> subprocess.CompletedProcess:
+    return run_cmd([*torchrun_cmd(nproc), TRAIN, "--no-progress", *args], cwd, timeout, **env)
+
+
+def python_train(args: list[str], cwd: Path, timeout: float = 240,
+                 **env: str) -> subprocess.CompletedProcess:
+    return run_cmd([sys.executable, TRAIN, "--no-progress", *args], cwd, timeout, **env)
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, (f"exit {result.returncode}\nstdout:\n{result.stdout}\n"
+                                    f"stderr:\n{result.stderr}")
     return result
 
 
+def error_lines(result: subprocess.CompletedProcess) -> list[str]:
+    """The `error:` lines a failed run printed (of any rank), in order."""
+    return [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
+
+
+def one_error(result: subprocess.CompletedProcess) -> str:
+    """A run that failed with exactly one `error:` line and no traceback of ours: that line."""
+    assert result.returncode != 0, f"expected a failure\n{result.stdout}\n{result.stderr}"
+    errors = error_lines(result)
+    assert len(errors) == 1, f"expected one error line, got {errors}\n{result.stderr}"
+    package = "{{ cookiecutter.package_name }}"
+    ours = [line for line in result.stderr.splitlines()
+            if line.strip().startswith("File ") and f"/{package}/" in line]
+    assert not ours, f"a traceback through the project's code:\n{result.stderr}"
+    return errors[0]
+
+
 def read_metrics(output_dir: Path, key: str = "loss") -> list[dict]:
-    """The records of metrics.jsonl that carry `key`: training logs ("loss") or evaluations ("val_loss")."""
+    """The records of metrics.jsonl that carry `key`: training logs ("loss") or evaluations
+    ("val_loss")."""
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if key in r]
 
 
-def final_model(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, load_checkpoint
+def summary(output_dir: Path) -> dict:
+    return json.loads((output_dir / "summary.json").read_text())
 
-    return load_checkpoint(list_checkpoints(checkpoint_dir)[0])["model"]
+
+def final_model(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """The model of the newest checkpoint (file or folder) in `checkpoint_dir`."""
+    from {{ cookiecutter.package_name }}.checkpoint import export, list_checkpoints, load_checkpoint
+
+    newest = list_checkpoints(checkpoint_dir)[0]
+    if newest.is_dir():
+        export(newest, checkpoint_dir.parent / "exported.pt")
+        newest = checkpoint_dir.parent / "exported.pt"
+    return load_checkpoint(newest)["model"]
+
+
+def assert_same_model(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert expected.keys() == got.keys()
+    for key, value in expected.items():
+        assert torch.equal(value, got[key]), f"{key} differs"
 
 
 @pytest.fixture
@@ -65,10 +108,13 @@ def workdir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def bin_dir(tmp_path: Path) -> Path:
-    """A folder for PATH with `python` and `torchrun` of this interpreter, as the scripts expect."""
+    """A folder for PATH with `python` and `torchrun` of this interpreter, as the scripts expect.
+
+    Small scripts that exec this interpreter, not symlinks: a symlink to a virtualenv's python
+    makes Python lose the virtualenv (and its packages) when started through it."""
     folder = tmp_path / "bin"
     folder.mkdir()
-    (folder / "python").symlink_to(sys.executable)
+    write_script(folder / "python", f'exec "{sys.executable}" "$@"')
     write_script(folder / "torchrun", f'exec "{sys.executable}" -m torch.distributed.run "$@"')
     return folder
 

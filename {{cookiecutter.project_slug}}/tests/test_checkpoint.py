@@ -1,68 +1,147 @@
-"""Atomic writes, pruning, falling back past broken files, and loading with weights_only."""
+"""Checkpoint files and folders: atomic writes, a lock, pruning of this run's own, loading safely."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
+from conftest import PROJECT_ROOT, child_env
 
 from {{ cookiecutter.package_name }}.checkpoint import (
-    find_resumable,
+    CheckpointDir,
+    Staging,
+    export,
     list_checkpoints,
     load_checkpoint,
-    load_for_resume,
-    save_checkpoint,
+    write_file,
 )
-from {{ cookiecutter.package_name }}.distributed import SetupError
-from {{ cookiecutter.package_name }}.model import MLP
+from {{ cookiecutter.package_name }}.failures import SetupError
+from {{ cookiecutter.package_name }}.resume import pick_checkpoint
 
 
 def _state(step: int) -> dict:
     torch.manual_seed(step)
-    model = MLP()
-    return {"model": model.state_dict(), "step": step, "epoch": 0, "config": {"lr": 0.1, "data": None}}
+    return {"model": {"w": torch.randn(4, 3)}, "step": step, "epoch": 0, "world_size": 1,
+            "config": {"lr": 0.1, "data": None}}
+
+
+def _dir(path, keep_last=0) -> CheckpointDir:
+    folder = CheckpointDir(path, keep_last)
+    folder.open()
+    return folder
 
 
 def test_round_trip_with_weights_only(tmp_path):
-    state = _state(5)
-    path = save_checkpoint(state, tmp_path, step=5, keep_last=3)
+    folder = _dir(tmp_path, keep_last=3)
+    path = folder.save_file(_state(5), step=5)
     loaded = torch.load(path, map_location="cpu", weights_only=True)
-    assert loaded["step"] == 5 and loaded["config"] == state["config"]
-    for key, value in state["model"].items():
-        assert torch.equal(loaded["model"][key], value)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temp file left
+    assert loaded["step"] == 5 and loaded["config"] == _state(5)["config"]
+    assert torch.equal(loaded["model"]["w"], _state(5)["model"]["w"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", path.name]  # no temp file
 
 
-def test_keep_last_prunes_oldest(tmp_path):
-    for step in (1, 2, 3, 4, 5):
-        save_checkpoint(_state(step), tmp_path, step=step, keep_last=2)
-    assert [load_checkpoint(p)["step"] for p in list_checkpoints(tmp_path)] == [5, 4]
+def test_keep_last_prunes_only_this_runs_checkpoints(tmp_path):
+    old = _dir(tmp_path)
+    for step in (4, 8):
+        old.save_file(_state(step), step)
+    old.close()
+    new = _dir(tmp_path, keep_last=1)
+    moved = new.set_aside(resumed_from=None)  # a new run: the old one's files move aside
+    for step in (1, 2):
+        new.save_file(_state(step), step)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt_step00000002.pt"]
+    assert sorted(p.name for p in moved.iterdir()) == ["ckpt_step00000004.pt",
+                                                       "ckpt_step00000008.pt"]
 
 
-def test_newest_broken_checkpoint_is_skipped(tmp_path, capsys):
-    save_checkpoint(_state(1), tmp_path, step=1, keep_last=0)
-    newest = save_checkpoint(_state(2), tmp_path, step=2, keep_last=0)
+def test_a_resumed_run_keeps_its_history_and_moves_later_checkpoints(tmp_path):
+    folder = _dir(tmp_path)
+    for step in (4, 8, 12):
+        folder.save_file(_state(step), step)
+    moved = folder.set_aside(resumed_from=tmp_path / "ckpt_step00000008.pt")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt_step00000008.pt",
+                                                            "ckpt_step00000004.pt"]
+    assert [p.name for p in moved.iterdir()] == ["ckpt_step00000012.pt"]
+
+
+LOCK_HOLDER = """
+import sys, time
+from {{ cookiecutter.package_name }}.checkpoint import CheckpointDir
+folder = CheckpointDir(sys.argv[1], 3)
+folder.open()
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="uses a POSIX lock")
+def test_a_folder_in_use_is_refused_and_freed_when_its_owner_dies(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(tmp_path)],
+                              cwd=PROJECT_ROOT, env=child_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(SetupError, match="is in use by a run that is still going .pid"):
+            CheckpointDir(tmp_path, 3).open()
+    finally:
+        holder.kill()
+        holder.wait()
+    _dir(tmp_path)  # the lock died with its holder: nothing stale
+
+
+def test_leftover_temp_files_are_cleared_when_the_folder_is_taken(tmp_path):
+    (tmp_path / ".ckpt_step00000003.pt.tmp-999").write_bytes(b"half")
+    (tmp_path / ".ckpt_step00000004.tmp").mkdir()
+    _dir(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
+
+
+def test_unreadable_checkpoints_are_skipped_or_refused(tmp_path, capsys):
+    folder = _dir(tmp_path)
+    folder.save_file(_state(1), 1)
+    newest = folder.save_file(_state(2), 2)
     newest.write_bytes(newest.read_bytes()[:100])  # as if killed while copying
     (tmp_path / "ckpt_step00000003.pt").write_bytes(b"")
-    path, state = find_resumable(tmp_path)
-    assert state["step"] == 1
-    assert "skipping unreadable checkpoint" in capsys.readouterr().err
+    (tmp_path / "ckpt_step00000004").mkdir()  # a folder without its metadata
+    assert pick_checkpoint("auto", tmp_path).name == "ckpt_step00000001.pt"
+    assert capsys.readouterr().err.count("skipping unreadable checkpoint") == 3
+    assert pick_checkpoint("never", tmp_path) is None
+    assert pick_checkpoint("auto", tmp_path / "missing") is None
+    with pytest.raises(SetupError, match="cannot load it"):
+        pick_checkpoint(str(newest), tmp_path)
 
 
-def test_resume_choices(tmp_path):
-    assert load_for_resume("never", tmp_path) is None
-    assert load_for_resume("auto", tmp_path / "missing") is None
-    save_checkpoint(_state(7), tmp_path, step=7, keep_last=0)
-    assert load_for_resume("auto", tmp_path)[1]["step"] == 7
-    with pytest.raises(SetupError, match="no such file"):
-        load_for_resume(str(tmp_path / "nope.pt"), tmp_path)
-    bad = tmp_path / "bad.pt"
-    bad.write_bytes(b"not a checkpoint")
-    with pytest.raises(SetupError, match="cannot load"):
-        load_for_resume(str(bad), tmp_path)
-
-
-def test_arbitrary_objects_are_not_unpickled(tmp_path):
-    path = tmp_path / "evil.pt"
+def test_arbitrary_objects_are_never_unpickled(tmp_path):
+    path = tmp_path / "ckpt_step00000001.pt"
     torch.save({"model": {}, "payload": object()}, path)
-    with pytest.raises(SetupError, match="cannot load"):
-        load_for_resume(str(path), tmp_path)
+    with pytest.raises(SetupError, match="cannot load it .UnpicklingError"):
+        pick_checkpoint(str(path), tmp_path)
+
+
+def test_a_failed_write_keeps_the_previous_checkpoint_and_says_why(tmp_path):
+    folder = _dir(tmp_path)
+    good = folder.save_file(_state(1), 1)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SetupError, match="cannot write checkpoint .*; free space or choose"):
+        write_file(_state(2), tmp_path / "a-file" / "ckpt_step00000002.pt")
+    assert list_checkpoints(tmp_path) == [good] and load_checkpoint(good)["step"] == 1
+
+
+def test_background_save_writes_a_snapshot_taken_before_training_goes_on(tmp_path):
+    folder = _dir(tmp_path)
+    live = {"model": {"w": torch.zeros(1000)}, "step": 1}
+    snapshot = Staging().copy(live)
+    folder.in_background(lambda: (time.sleep(0.2), folder.save_file(snapshot, 1)))
+    live["model"]["w"].add_(1)  # training changes the weights while the save runs
+    folder.wait()
+    assert load_checkpoint(tmp_path / "ckpt_step00000001.pt")["model"]["w"].sum() == 0
+
+
+def test_export_of_a_file_checkpoint(tmp_path):
+    folder = _dir(tmp_path)
+    path = folder.save_file({**_state(3), "optimizer": {"state": {}}}, 3)
+    export(path, tmp_path / "out.pt")
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert set(out) == {"model", "epoch", "step", "world_size", "config"}

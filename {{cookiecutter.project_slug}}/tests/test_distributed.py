@@ -1,4 +1,4 @@
-"""The pure parts of distributed setup: who am I, which backend, which devices, which init URL."""
+"""The pure parts of set-up: who am I, which backend, which devices, where the ranks meet."""
 
 from __future__ import annotations
 
@@ -12,18 +12,20 @@ import torch
 
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.distributed import (
-    SetupError,
-    World,
     assign_devices,
-    expand_nodelist,
-    file_uri,
-    find_free_port,
     resolve_backend,
-    resolve_init_method,
-    resolve_world,
-    windows_env,
+    resolve_rendezvous,
 )
+from {{ cookiecutter.package_name }}.environments import (
+    World,
+    expand_nodelist,
+    expand_tasks_per_node,
+    find_free_port,
+    resolve_world,
+)
+from {{ cookiecutter.package_name }}.failures import SetupError
 from {{ cookiecutter.package_name }}.train import run
+from {{ cookiecutter.package_name }}.workarounds import windows_env
 
 TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                 "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "abc"}
@@ -42,15 +44,24 @@ def test_local_rank_variable_wins_over_legacy_flag():
     assert (world.local_rank, world.launcher) == (1, "launch")
 
 
-def test_missing_local_rank_is_explained():
+def test_missing_local_rank_and_rank_outside_world_are_explained():
     env = {k: v for k, v in TORCHRUN_ENV.items() if k != "LOCAL_RANK"}
     with pytest.raises(SetupError, match="LOCAL_RANK"):
         resolve_world(env)
-
-
-def test_rank_outside_world_is_explained():
     with pytest.raises(SetupError, match="outside a world"):
         resolve_world({**TORCHRUN_ENV, "RANK": "4"})
+
+
+def test_kubeflow_pod_without_torchrun_is_one_process_per_pod():
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "MASTER_ADDR": "job-master-0",
+           "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "2", "PET_NNODES": "3"}
+    world = resolve_world(env)
+    assert (world.rank, world.local_rank, world.world_size, world.local_world_size) == (2, 0, 3, 1)
+    assert (world.launcher, world.master_addr, world.master_port) == ("kubeflow", "job-master-0",
+                                                                      23456)
+    # torchrun inside the pod sets its own variables: those win.
+    pod_with_torchrun = {**env, "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "job"}
+    assert resolve_world(pod_with_torchrun).launcher == "torchrun"
 
 
 def test_no_launcher_is_a_world_of_one():
@@ -59,31 +70,42 @@ def test_no_launcher_is_a_world_of_one():
     assert world.master_port and world.master_port > 0
 
 
+SLURM_STEP = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+              "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]",
+              "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
+
+
 def test_slurm_environment():
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4",
-           "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
-    world = resolve_world(env)
+    world = resolve_world(SLURM_STEP)
     assert (world.rank, world.local_rank, world.world_size, world.local_world_size) == (5, 1, 8, 4)
     assert (world.launcher, world.master_addr, world.master_port) == ("slurm", "gpu07", 15000 + 4242)
 
 
-def test_slurm_without_srun_is_explained():
-    with pytest.raises(SetupError, match="srun"):
+def test_a_slurm_step_on_fewer_nodes_than_the_job_uses_the_steps_counts():
+    # `srun -N1 -n2 ...` inside a 5-node job of 4 tasks per node.
+    env = {**SLURM_STEP, "SLURM_PROCID": "1", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "5",
+           "SLURM_NTASKS_PER_NODE": "4", "SLURM_NTASKS": "20", "SLURM_STEP_NUM_TASKS": "2",
+           "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2",
+           "SLURM_STEP_NODELIST": "gpu08"}
+    world = resolve_world(env)
+    assert (world.world_size, world.local_world_size, world.master_addr) == (2, 2, "gpu08")
+
+
+def test_slurm_mistakes_are_explained():
+    with pytest.raises(SetupError, match="not started by srun"):
         resolve_world({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "1"})
-
-
-def test_slurm_mismatched_task_counts_are_explained():
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NUM_NODES": "2",
-           "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
-    with pytest.raises(SetupError, match="--ntasks-per-node"):
-        resolve_world(env)
-    with pytest.raises(SetupError, match="SLURM_LOCALID=2"):
-        resolve_world({**env, "SLURM_NTASKS": "4", "SLURM_LOCALID": "2"})
+    with pytest.raises(SetupError, match="add up to 5; use --ntasks-per-node"):
+        resolve_world({**SLURM_STEP, "SLURM_TASKS_PER_NODE": "4,1", "SLURM_NODEID": "0",
+                       "SLURM_LOCALID": "0", "SLURM_PROCID": "0"})
+    with pytest.raises(SetupError, match="SLURM_LOCALID=4"):
+        resolve_world({**SLURM_STEP, "SLURM_LOCALID": "4"})
+    # The doctor still sees what SLURM said.
+    assert resolve_world({**SLURM_STEP, "SLURM_LOCALID": "4"}, check=False).local_rank == 4
 
 
 def test_torchrun_inside_slurm_uses_torchrun_variables():
-    env = {**TORCHRUN_ENV, "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
-    assert resolve_world(env).launcher == "torchrun"
+    assert resolve_world({**TORCHRUN_ENV, "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}).launcher == \
+        "torchrun"
 
 
 @pytest.mark.parametrize("nodelist, hosts", [
@@ -94,6 +116,10 @@ def test_torchrun_inside_slurm_uses_torchrun_variables():
 ])
 def test_expand_nodelist(nodelist, hosts):
     assert expand_nodelist(nodelist) == hosts
+
+
+def test_expand_tasks_per_node():
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
 
 
 def test_backend_auto_and_refusals():
@@ -109,9 +135,9 @@ def test_backend_auto_and_refusals():
 @pytest.mark.parametrize("local_rank, local_world, cuda, layout, visible, expected", [
     (1, 2, 0, "data_parallel", None, ["cpu"]),
     (1, 2, 2, "data_parallel", None, ["cuda:1"]),
-    (1, 2, 8, "data_parallel", "0,1,2,3,4,5,6,7", ["cuda:1"]),
+    (1, 2, 8, "fsdp", "0,1,2,3,4,5,6,7", ["cuda:1"]),
     (0, 1, 1, "data_parallel", None, ["cuda:0"]),
-    (3, 4, 1, "data_parallel", "3", ["cuda:0"]),  # --gpus-per-task=1: each process sees its own GPU
+    (3, 4, 1, "data_parallel", "3", ["cuda:0"]),  # --gpus-per-task=1: its own GPU
     (1, 2, 4, "model_parallel_2", None, ["cuda:2", "cuda:3"]),
     (0, 2, 0, "model_parallel_2", None, ["cpu", "cpu"]),
     (1, 2, 2, "model_parallel_2", "2,3", ["cuda:0", "cuda:1"]),  # --gpus-per-task=2
@@ -124,39 +150,58 @@ def test_assign_devices(local_rank, local_world, cuda, layout, visible, expected
 def test_assign_devices_refuses_too_few_gpus():
     with pytest.raises(SetupError, match="need 4 GPUs .* 2 are visible; start fewer processes"):
         assign_devices(0, 4, 2, "data_parallel")
-    # Two processes and one GPU that nobody split up: they would share it ("Duplicate GPU detected").
-    with pytest.raises(SetupError, match="need 2 GPUs"):
+    with pytest.raises(SetupError, match="need 2 GPUs"):  # two processes, one GPU
         assign_devices(1, 2, 1, "data_parallel", visible_devices=None)
     with pytest.raises(SetupError, match="--stage-devices"):
         assign_devices(0, 2, 3, "model_parallel_2")
-
-
-def test_stage_devices_override():
-    assert assign_devices(0, 1, 1, "model_parallel_2", ["cuda:0", "cuda:0"]) == [torch.device("cuda:0")] * 2
+    assert assign_devices(0, 1, 1, "model_parallel_2", ["cuda:0", "cuda:0"]) == \
+        [torch.device("cuda:0")] * 2
     with pytest.raises(SetupError, match="only 1 CUDA"):
         assign_devices(0, 1, 1, "model_parallel_2", ["cuda:0", "cuda:1"])
 
 
-def test_init_method_urls(tmp_path: Path):
-    world = World(0, 0, 2, 2, "spawn", "127.0.0.1", 12345, "run1")
-    assert resolve_init_method("env", world, tmp_path) == "env://"
-    assert resolve_init_method("tcp", world, tmp_path) == "tcp://127.0.0.1:12345"
-    assert resolve_init_method("tcp://h:1", world, tmp_path) == "tcp://h:1"
-    url = resolve_init_method("file", world, tmp_path / "rdzv")
-    assert url == (tmp_path / "rdzv" / "store-run1").resolve().as_uri() and (tmp_path / "rdzv").is_dir()
-    assert resolve_init_method(str(tmp_path / "x" / "store"), world, tmp_path).startswith("file:///")
-    with pytest.raises(SetupError, match="three slashes"):
-        resolve_init_method("file://tmp/store", world, tmp_path)
+WORLD = World(0, 0, 2, 2, "spawn", "127.0.0.1", 12345, "run1")
+
+
+def test_rendezvous_from_init_methods(tmp_path: Path):
+    assert str(resolve_rendezvous("env", WORLD, tmp_path)) == "the TCP store at 127.0.0.1:12345"
+    assert resolve_rendezvous("tcp", WORLD, tmp_path).port == 12345
+    tcp = resolve_rendezvous("tcp://h.example:1", WORLD, tmp_path)
+    assert (tcp.kind, tcp.host, tcp.port) == ("tcp", "h.example", 1)
+    rdzv = resolve_rendezvous("file", WORLD, tmp_path / "rdzv")
+    assert rdzv.path == (tmp_path / "rdzv" / "store-run1").resolve()
+    assert (tmp_path / "rdzv").is_dir()
+    assert resolve_rendezvous(str(tmp_path / "x" / "store"), WORLD, tmp_path).kind == "file"
+
+
+@pytest.mark.parametrize("name", ["my run/store", "runs/é/store", "a%20b/store", "100%/store"])
+def test_file_paths_that_need_url_escaping_are_taken_literally(tmp_path, name):
+    assert resolve_rendezvous(str(tmp_path / name), WORLD, tmp_path).path == \
+        (tmp_path / name).resolve()
+    # The same path as a file:// URL, percent-escaped as Path.as_uri() writes it.
+    url = (tmp_path / name).as_uri()
+    assert resolve_rendezvous(url, WORLD, tmp_path).path == (tmp_path / name).resolve()
+
+
+@pytest.mark.parametrize("method, says", [
+    ("bogus://x", "is not one of env, tcp, file"),
+    ("tpc", "is not one of env, tcp, file"),
+    ("tcp://hostonly", "expected tcp://HOST:PORT"),
+    ("tcp://h:notaport", "expected tcp://HOST:PORT"),
+    ("file://tmp/store", "three slashes"),
+])
+def test_bad_init_methods_are_explained(tmp_path, method, says):
+    with pytest.raises(SetupError, match=says):
+        resolve_rendezvous(method, WORLD, tmp_path)
 
 
 def test_stale_and_fresh_store_files(tmp_path: Path):
-    world = World(0, 0, 2, 2, "spawn", "127.0.0.1", 1, "r")
     fresh = tmp_path / "fresh"
     fresh.write_bytes(b"a peer of this launch wrote this a moment ago")
-    assert resolve_init_method(str(fresh), world, tmp_path) == fresh.resolve().as_uri()
+    assert resolve_rendezvous(str(fresh), WORLD, tmp_path).path == fresh.resolve()
     os.utime(fresh, (0, 0))
     with pytest.raises(SetupError, match="left over from an earlier run"):
-        resolve_init_method(str(fresh), world, tmp_path)
+        resolve_rendezvous(str(fresh), WORLD, tmp_path)
 
 
 def test_windows_branches(tmp_path: Path):
@@ -164,22 +209,23 @@ def test_windows_branches(tmp_path: Path):
     assert windows_env("win32", "2.4.1+cu121") == {"USE_LIBUV": "0"}
     assert windows_env("win32", "2.3.1") == {}
     assert windows_env("linux", "2.13.0") == {}
-    assert file_uri("C:\\runs\\rendezvous\\store", platform="win32") == "file:///C:/runs/rendezvous/store"
-    assert file_uri("\\\\server\\share\\store", platform="win32") == "file://server/share/store"
     world = World(0, 0, 1, 1, "none", "127.0.0.1", 1, "w")
     # Without a launcher, Windows meets through a file instead of a TCP store.
-    assert resolve_init_method("env", world, tmp_path, platform="win32").startswith("file:///")
-    assert resolve_init_method("env", replace(world, launcher="torchrun"), tmp_path, platform="win32") == "env://"
+    assert resolve_rendezvous("env", world, tmp_path, platform="win32").kind == "file"
+    assert resolve_rendezvous("env", replace(world, launcher="launch"), tmp_path,
+                              platform="win32").kind == "tcp"
 
 
 def test_windows_path_trains_with_platform_patched(monkeypatch, tmp_path: Path):
-    import torch._dynamo  # noqa: F401  (imported lazily by DDP; it reads sysconfig, which a patched platform breaks)
+    import torch._dynamo  # noqa: F401  (DDP imports it lazily; it reads sysconfig, which a
+    # patched platform breaks)
 
     monkeypatch.setattr(sys, "platform", "win32")
     monkeypatch.delenv("USE_LIBUV", raising=False)
     monkeypatch.chdir(tmp_path)
-    cfg = parse_args(["--epochs", "1", "--dataset-size", "64", "--no-progress", "--init-method", "env"])
+    cfg = parse_args(["--epochs", "1", "--dataset-size", "64", "--no-progress", "--init-method",
+                      "env", "--hidden-size", "8"])
     summary = run(cfg, World(0, 0, 1, 1, "none", "127.0.0.1", find_free_port(), "win-test"))
     assert summary["backend"] == "gloo" and summary["steps"] == 2
     assert os.environ["USE_LIBUV"] == "0"
-    assert not list((tmp_path / "runs/latest/rendezvous").iterdir()), "the store file was not removed"
+    assert not list((tmp_path / "runs/latest/rendezvous").iterdir()), "store file not removed"

@@ -1,60 +1,78 @@
-"""Checkpoints: written by rank 0 only, atomically, and loaded without unpickling arbitrary objects.
+"""Checkpoints on disk: written atomically, never lost, loaded without unpickling code.
 
-File names carry the optimizer step (`ckpt_step00000123.pt`), so the newest is the highest step.
+Two formats, one naming scheme (the step is in the name, so the newest is the highest step):
+- `ckpt_stepNNNNNNNN.pt`: one file written by rank 0 (data_parallel, model_parallel_2). It loads
+  with `torch.load(path, weights_only=True)`.
+- `ckpt_stepNNNNNNNN/`: a torch.distributed.checkpoint (DCP) folder in which every rank writes its
+  own shards (fsdp), plus `meta.json` with the position in training.
+Both are written under a temporary name and renamed when complete, so a kill at any moment leaves
+either the old set or the new one. The folder is locked by the run writing into it; checkpoints of
+an earlier run are moved aside, never deleted; `--keep-last` only prunes this run's own.
+
+    python -m {{ cookiecutter.package_name }}.checkpoint export SRC OUT.pt   # one weights_only file
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
+import socket
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .distributed import SetupError
+from .failures import SetupError
 
-_NAME = re.compile(r"^ckpt_step(\d+)\.pt$")
+_NAME = re.compile(r"^ckpt_step(\d{8,})(\.pt)?$")
+_TEMP = re.compile(r"^\.ckpt_step\d+.*\.tmp")
+META = "meta.json"  # in a checkpoint folder: everything but the tensors
 
 
-def checkpoint_path(directory: str | Path, step: int) -> Path:
-    return Path(directory) / f"ckpt_step{step:08d}.pt"
+def checkpoint_path(directory: str | Path, step: int, sharded: bool = False) -> Path:
+    return Path(directory) / f"ckpt_step{step:08d}{'' if sharded else '.pt'}"
+
+
+def step_of(path: Path) -> int:
+    match = _NAME.match(path.name)
+    if not match:
+        raise ValueError(f"{path} is not named like a checkpoint (ckpt_stepNNNNNNNN)")
+    return int(match.group(1))
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
-    """Checkpoints in `directory`, newest (highest step) first."""
+    """Checkpoints (files and folders) in `directory`, newest (highest step) first."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    found = [(step_of(p), p) for p in directory.iterdir() if _NAME.match(p.name)]
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int, keep_last: int) -> Path:
-    """Write `state` atomically, then delete all but the newest `keep_last` (0 = keep all).
+def is_complete(path: Path) -> bool:
+    """A file is complete once it has its name; a folder also needs DCP's metadata and ours."""
+    if path.is_dir():
+        return (path / ".metadata").is_file() and (path / META).is_file()
+    return path.is_file() and path.stat().st_size > 0
 
-    A temp file in the same directory, fsync, then `os.replace`: a kill at any moment leaves either the
-    old file set or the new one, never a half-written checkpoint under a real name.
-    """
-    path = checkpoint_path(directory, step)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(".ckpt_step*.pt.tmp-*"):
-        stale.unlink(missing_ok=True)  # left by a save that was killed half-way
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-    if keep_last > 0:
-        for old in list_checkpoints(directory)[keep_last:]:
-            old.unlink(missing_ok=True)
-    return path
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """A checkpoint file, loaded with `weights_only=True`: tensors and plain types, never code."""
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """Position and settings of a checkpoint, without its tensors."""
+    if path.is_dir():
+        return json.loads((path / META).read_text())
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return {k: v for k, v in state.items() if k not in ("model", "optimizer", "rng")}
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -67,36 +85,207 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load with `weights_only=True`: tensors and plain Python types only, never arbitrary pickles."""
-    return torch.load(path, map_location=map_location, weights_only=True)
-
-
-def find_resumable(directory: str | Path,
-                   map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that loads, and its contents. Broken ones (a kill during a copy, a full
-    disk) are skipped with a warning, so the run falls back to the one before."""
-    for path in list_checkpoints(directory):
-        try:
-            return path, load_checkpoint(path, map_location)
-        except Exception as exc:
-            print(f"warning: skipping unreadable checkpoint {path} ({type(exc).__name__}: {exc})",
-                  file=sys.stderr, flush=True)
-    return None
-
-
-def load_for_resume(resume: str, directory: str | Path,
-                    map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]] | None:
-    """What `--resume` asks for: `never` -> None, `auto` -> newest readable or None, else that file."""
-    if resume == "never":
-        return None
-    if resume == "auto":
-        return find_resumable(directory, map_location)
-    path = Path(resume)
+def write_file(state: dict[str, Any], path: Path) -> None:
+    """torch.save to a temp file in the same folder, fsync, rename: all or nothing."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        return path, load_checkpoint(path, map_location)
-    except FileNotFoundError:
-        raise SetupError(f"--resume {resume}: no such file; use --resume auto or --resume never") from None
-    except Exception as exc:
-        raise SetupError(f"--resume {resume}: cannot load it ({type(exc).__name__}); "
-                         "pick another checkpoint or use --resume auto") from None
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise SetupError(f"cannot write checkpoint {path} ({exc.strerror or exc}); free space or "
+                         "choose another --checkpoint-dir") from None
+    finally:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+    _fsync_dir(path.parent)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _lock(handle: Any) -> bool:
+    """Take an exclusive lock on an open file; False if another process holds it. The operating
+    system releases it when the holder dies, so a killed run never leaves it stale."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        import msvcrt
+        try:
+            msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
+            return True
+        except OSError:
+            return False
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+class CheckpointDir:
+    """Rank 0's handle on --checkpoint-dir for one run: lock, set-aside, write, prune."""
+
+    def __init__(self, directory: str | Path, keep_last: int) -> None:
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self._lock_file: Any = None
+        self._thread: threading.Thread | None = None
+        self._error: SetupError | None = None
+
+    def open(self) -> None:
+        """Create and lock the folder, check it is writable, clear leftovers of killed saves."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            handle = open(self.directory / ".lock", "a+")
+        except OSError as exc:
+            raise SetupError(f"--checkpoint-dir {self.directory}: cannot write there "
+                             f"({exc.strerror or exc}); choose a writable folder") from None
+        if not _lock(handle):
+            handle.seek(0)
+            owner = handle.read().strip() or "another process"
+            handle.close()
+            raise SetupError(f"--checkpoint-dir {self.directory} is in use by a run that is still "
+                             f"going ({owner}); wait for it, or use another --checkpoint-dir")
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}\n")
+        handle.flush()
+        self._lock_file = handle
+        for leftover in self.directory.iterdir():
+            if _TEMP.match(leftover.name):
+                _remove(leftover)
+
+    def close(self) -> None:
+        self.wait()
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    def set_aside(self, resumed_from: Path | None) -> Path | None:
+        """Move checkpoints that are not this run's history into `earlier-<time>/`.
+
+        A run that resumes from step S of this folder continues its history: only checkpoints
+        after S (an abandoned continuation, or a damaged newest one) move. A run that starts over,
+        or resumes from another folder, moves them all. Nothing is deleted."""
+        same_folder = (resumed_from is not None
+                       and resumed_from.resolve().parent == self.directory.resolve())
+        keep_up_to = step_of(resumed_from) if same_folder else -1
+        others = [p for p in list_checkpoints(self.directory) if step_of(p) > keep_up_to]
+        if not others:
+            return None
+        target = self.directory / f"earlier-{time.strftime('%Y%m%d-%H%M%S')}"
+        target.mkdir(exist_ok=True)
+        for path in others:
+            os.replace(path, target / path.name)
+        return target
+
+    def prune(self) -> None:
+        if self.keep_last > 0:
+            for old in list_checkpoints(self.directory)[self.keep_last:]:
+                _remove(old)
+
+    def commit(self, tmp: Path, final: Path) -> None:
+        """Give a finished temp file or folder its real name, then prune."""
+        os.replace(tmp, final)
+        _fsync_dir(self.directory)
+        self.prune()
+
+    # ------------------------------------------------------------------ writing (rank 0)
+    def save_file(self, state: dict[str, Any], step: int) -> Path:
+        path = checkpoint_path(self.directory, step)
+        write_file(state, path)
+        self.prune()
+        return path
+
+    def in_background(self, job: Callable[[], None]) -> None:
+        """Run `job` (a save) on a thread; at most one at a time: wait for the previous first."""
+        self.wait()
+
+        def run() -> None:
+            try:
+                job()
+            except SetupError as exc:
+                self._error = exc
+            except Exception as exc:  # report it at the next save instead of losing it
+                self._error = SetupError(f"background checkpoint save failed: {exc!r}")
+
+        self._thread = threading.Thread(target=run, name="checkpoint-save", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for a background save; raise its error, if it had one."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+class Staging:
+    """Reusable CPU copies of a state's tensors, so a background save writes a snapshot while
+    training changes the live tensors. The buffers are allocated once and refilled by each save
+    (on a GPU, in pinned memory: the copy out of GPU memory is one DMA per tensor)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, state: Any, prefix: str = "") -> Any:
+        if isinstance(state, torch.Tensor):
+            buffer = self._buffers.get(prefix)
+            if buffer is None or buffer.shape != state.shape or buffer.dtype != state.dtype:
+                buffer = torch.empty(state.shape, dtype=state.dtype, device="cpu",
+                                     pin_memory=state.is_cuda)
+                self._buffers[prefix] = buffer
+            return buffer.copy_(state.detach(), non_blocking=state.is_cuda)
+        if isinstance(state, dict):
+            return {k: self.copy(v, f"{prefix}/{k}") for k, v in state.items()}
+        if isinstance(state, (list, tuple)):
+            return type(state)(self.copy(v, f"{prefix}/{i}") for i, v in enumerate(state))
+        return state
+
+
+def export(source: Path, output: Path) -> None:
+    """Any checkpoint (file or folder) as one file that loads with `weights_only=True`: `model`
+    (the plain state_dict), plus epoch, step, world_size and config."""
+    if not is_complete(source):
+        raise SetupError(f"{source} is not a complete checkpoint")
+    if source.is_dir():
+        from .sharded import load_full_model_state
+        model, meta = load_full_model_state(source), read_meta(source)
+    else:
+        state = load_checkpoint(source)
+        model, meta = state["model"], state
+    keep = ("epoch", "step", "world_size", "config")
+    write_file({"model": model, **{k: meta[k] for k in keep if k in meta}}, output)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}.checkpoint")
+    sub = parser.add_subparsers(dest="command", required=True)
+    exp = sub.add_parser("export", help="write any checkpoint as one weights_only file")
+    exp.add_argument("source", type=Path)
+    exp.add_argument("output", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        export(args.source, args.output)
+    except SetupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

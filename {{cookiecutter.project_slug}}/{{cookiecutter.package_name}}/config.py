@@ -1,15 +1,27 @@
-"""Command-line flags and the run configuration.
+"""Command-line flags, config files, and the run configuration.
 
 The template answers this project was generated with are the constants just below: edit them to
-change a default, or pass the matching flag to override it for one run.
+change a default, or pass the matching flag to override it for one run. `--config run.toml` sets
+any flag from a file (keys spelled like the flags without `--`); flags on the command line win.
+Every value is checked here, before any work starts: a bad one is one `error:` line and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NoReturn
+
+from .failures import local_rank_from_env
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI (a declared dependency there)
+    import tomli as tomllib
 
 # Answers given when this project was generated.
 DEFAULT_BACKEND = "{{ cookiecutter.backend }}"
@@ -17,170 +29,323 @@ DEFAULT_INIT_METHOD = "{{ cookiecutter.init_method }}"
 DEFAULT_MODEL_LAYOUT = "{{ cookiecutter.model_layout }}"
 DEFAULT_TRACKER = "{{ cookiecutter.tracker }}"
 
+LAYOUTS = ["data_parallel", "model_parallel_2", "fsdp"]
+TRACKERS = ["none", "tensorboard", "wandb", "mlflow"]
+
 
 @dataclass
 class Config:
-    """Everything a run needs to know. Built by `parse_args`, saved (as plain types) in checkpoints."""
+    """Everything a run needs to know. Built by `parse_args`, saved (as plain types) in
+    checkpoints and in <output-dir>/config.json."""
 
     epochs: int = 3
     batch_size: int = 32
     lr: float = 3e-3
     weight_decay: float = 0.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
     seed: int = 0
+    precision: str = "fp32"
+    grad_accum: int = 1
+    clip_grad: float = 0.0
+    max_steps: int = 0
+    deterministic: bool = False
+    compile: bool = False
+    find_unused_parameters: bool = False
     dataset_size: int = 2048
     data: str | None = None
     val_fraction: float = 0.1
-    deterministic: bool = False
+    num_workers: int = 0
     hidden_size: int = 64
     num_layers: int = 2
     batch_norm: bool = False
     sync_bn: bool = False
-    num_workers: int = 0
+    model_layout: str = DEFAULT_MODEL_LAYOUT
+    stage_devices: list[str] = field(default_factory=list)
     backend: str = DEFAULT_BACKEND
     init_method: str = DEFAULT_INIT_METHOD
     timeout_s: float = 300.0
+    nprocs: int = 1
+    local_rank: int | None = None
     checkpoint_dir: str = "checkpoints"
     save_every: int = 1
     save_every_steps: int = 0
     keep_last: int = 3
     resume: str = "auto"
-    precision: str = "fp32"
-    grad_accum: int = 1
-    clip_grad: float = 0.0
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    max_steps: int = 0
-    log_every: int = 10
+    async_save: bool = False
     output_dir: str = "runs/latest"
+    log_every: int = 10
     step_times: str | None = None
-    nprocs: int = 1
-    progress: bool = True
-    compile: bool = False
-    find_unused_parameters: bool = False
-    local_rank: int | None = None
-    model_layout: str = DEFAULT_MODEL_LAYOUT
-    stage_devices: list[str] = field(default_factory=list)
+    profile_steps: str | None = None
     tracker: str = DEFAULT_TRACKER
+    progress: bool = True
+    config: str | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """Plain types only, so a checkpoint loads with `weights_only=True`."""
         return dataclasses.asdict(self)
 
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
+    def profile_range(self) -> tuple[int, int] | None:
+        if not self.profile_steps:
+            return None
+        first, last = self.profile_steps.split(":")
+        return int(first), int(last)
 
 
-def _positive_float(text: str) -> float:
+# ---------------------------------------------------------------------- value checks
+def _int(low: int, high: int | None = None):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low or (high is not None and value > high):
+            limit = f"between {low} and {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {limit}, got {value}")
+        return value
+    parse.__name__ = "integer"  # what argparse names in "invalid integer value"
+    return parse
+
+
+def _float(low: float, inclusive: bool, high: float = math.inf):
+    def parse(text: str) -> float:
+        value = float(text)
+        ok = math.isfinite(value) and (value >= low if inclusive else value > low) and value <= high
+        if not ok:
+            bound = f"{'at least' if inclusive else 'greater than'} {low:g}"
+            if high < math.inf:
+                bound += f" and at most {high:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+def _fraction(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text}")
     return value
 
 
 def _device_list(text: str) -> list[str]:
     devices = [part.strip() for part in text.split(",") if part.strip()]
-    if len(devices) != 2:
+    if len(devices) != 2 or not all(d == "cpu" or d.startswith("cuda") for d in devices):
         raise argparse.ArgumentTypeError(f"expected two devices like cuda:0,cuda:1, got {text!r}")
     return devices
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _step_range(text: str) -> str:
+    first, sep, last = text.partition(":")
+    if not (sep and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise argparse.ArgumentTypeError(f"expected FIRST:LAST optimizer steps like 10:15, got "
+                                         f"{text!r}")
+    return text
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with bad flags as one `error:` line, printed once per node, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.fail(f"{message} (python train.py --help lists the flags)")
+
+    def fail(self, message: str) -> NoReturn:
+        if local_rank_from_env() == 0:
+            sys.stderr.write(f"error: {message}\n")
+        sys.exit(2)
+
+
+SEED_MAX = 2**31 - 1  # the seed is offset per rank and per worker; keep it a plain 32-bit value
+
+
+def build_parser() -> Parser:
     d = Config()
-    p = argparse.ArgumentParser(
-        description="Train a model with PyTorch DistributedDataParallel.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = Parser(description="Train a model with PyTorch DistributedDataParallel.",
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=_positive_int, default=d.epochs, help="passes over the data")
-    g.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help="samples per process per step")
-    g.add_argument("--lr", type=_positive_float, default=d.lr, help="peak learning rate (AdamW)")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    g.add_argument("--epochs", type=_int(1), default=d.epochs, help="passes over the data")
+    g.add_argument("--batch-size", type=_int(1), default=d.batch_size,
+                   help="samples per process per step")
+    g.add_argument("--lr", type=_float(0, False, 10.0), default=d.lr,
+                   help="peak learning rate (AdamW)")
+    g.add_argument("--weight-decay", type=_float(0, True), default=d.weight_decay,
+                   help="AdamW weight decay")
     g.add_argument("--lr-schedule", choices=["constant", "cosine"], default=d.lr_schedule,
                    help="constant, or cosine decay to 0 after the warm-up")
-    g.add_argument("--warmup-steps", type=_non_negative_int, default=d.warmup_steps, help="linear warm-up steps")
-    g.add_argument("--seed", type=int, default=d.seed, help="seeds data, model init and every rank")
+    g.add_argument("--warmup-steps", type=_int(0), default=d.warmup_steps,
+                   help="linear warm-up steps")
+    g.add_argument("--seed", type=_int(0, SEED_MAX), default=d.seed,
+                   help="seeds data, model init and every rank")
     g.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=d.precision,
                    help="autocast dtype; fp16 needs CUDA (it uses a GradScaler)")
-    g.add_argument("--grad-accum", type=_positive_int, default=d.grad_accum,
+    g.add_argument("--grad-accum", type=_int(1), default=d.grad_accum,
                    help="micro-batches per optimizer step")
-    g.add_argument("--clip-grad", type=float, default=d.clip_grad, help="max gradient norm, 0 = off")
-    g.add_argument("--max-steps", type=_non_negative_int, default=d.max_steps,
+    g.add_argument("--clip-grad", type=_float(0, True), default=d.clip_grad,
+                   help="max gradient norm, 0 = off")
+    g.add_argument("--max-steps", type=_int(0), default=d.max_steps,
                    help="stop after this many optimizer steps in total, 0 = no limit")
     g.add_argument("--deterministic", action="store_true",
-                   help="PyTorch's deterministic algorithms only (slower on GPU; an error names any op without one)")
+                   help="deterministic algorithms only (slower on GPU; an error names any op "
+                        "without one)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--find-unused-parameters", action="store_true",
-                   help="DDP find_unused_parameters (only for models with unused branches; slower)")
+                   help="DDP find_unused_parameters (only for models with unused branches)")
 
-    g = p.add_argument_group("data and model")
-    g.add_argument("--dataset-size", type=_positive_int, default=d.dataset_size,
+    g = p.add_argument_group("data and model (task.py reads these)")
+    g.add_argument("--dataset-size", type=_int(1), default=d.dataset_size,
                    help="samples in the synthetic data set")
     g.add_argument("--data", default=d.data, metavar="PATH",
-                   help="a tensor file holding {'x': inputs, 'y': targets} instead of synthetic data")
-    g.add_argument("--val-fraction", type=float, default=d.val_fraction,
+                   help="your data on disk instead of the synthetic set (task.py reads it)")
+    g.add_argument("--val-fraction", type=_fraction, default=d.val_fraction,
                    help="share of the data held out and evaluated after every epoch, 0 = none")
-    g.add_argument("--num-workers", type=_non_negative_int, default=d.num_workers,
-                   help="DataLoader worker processes per rank")
-    g.add_argument("--hidden-size", type=_positive_int, default=d.hidden_size, help="MLP width")
-    g.add_argument("--num-layers", type=_positive_int, default=d.num_layers, help="hidden layers of the MLP")
-    g.add_argument("--batch-norm", action="store_true", help="BatchNorm after each hidden layer of the MLP")
+    g.add_argument("--num-workers", type=_int(0, 64), default=d.num_workers,
+                   help="DataLoader worker processes per rank (0: batches are made in-process)")
+    g.add_argument("--hidden-size", type=_int(1), default=d.hidden_size,
+                   help="width of the example model")
+    g.add_argument("--num-layers", type=_int(1), default=d.num_layers,
+                   help="depth of the example model")
+    g.add_argument("--batch-norm", action="store_true",
+                   help="BatchNorm in the example model, where it has a place for it")
     g.add_argument("--sync-bn", action="store_true",
-                   help="convert BatchNorm to SyncBatchNorm (CUDA only; ignored with a warning on CPU)")
-    g.add_argument("--model-layout", choices=["data_parallel", "model_parallel_2"], default=d.model_layout,
-                   help="one device per process, or the model split over two devices per process")
-    g.add_argument("--stage-devices", type=_device_list, default=d.stage_devices, metavar="DEV0,DEV1",
+                   help="convert BatchNorm to SyncBatchNorm (CUDA only; a warning on CPU)")
+    g.add_argument("--model-layout", choices=LAYOUTS, default=d.model_layout,
+                   help="one device per process (DDP), the model split over two devices per "
+                        "process, or parameters sharded across ranks (FSDP2)")
+    g.add_argument("--stage-devices", type=_device_list, default=d.stage_devices,
+                   metavar="DEV0,DEV1",
                    help="model_parallel_2: the two devices of this process, e.g. cuda:0,cuda:1")
 
     g = p.add_argument_group("distributed")
     g.add_argument("--backend", choices=["auto", "nccl", "gloo"], default=d.backend,
                    help="auto = nccl when CUDA GPUs are visible, else gloo")
     g.add_argument("--init-method", default=d.init_method, metavar="METHOD",
-                   help="env, tcp, file, tcp://HOST:PORT, file:///path or a plain path to a shared file")
-    g.add_argument("--timeout-s", type=_positive_float, default=d.timeout_s,
-                   help="seconds a collective may wait before the run fails")
-    g.add_argument("--nprocs", type=_positive_int, default=d.nprocs,
+                   help="env, tcp, file, tcp://HOST:PORT, file:///path or a path like ./store")
+    g.add_argument("--timeout-s", type=_float(0, False, 7 * 24 * 3600.0), default=d.timeout_s,
+                   help="seconds any wait for the other ranks may take before the run fails")
+    g.add_argument("--nprocs", type=_int(1, 1024), default=d.nprocs,
                    help="start this many processes with mp.spawn (only without a launcher)")
-    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None,
-                   help="set by the legacy torch.distributed.launch; LOCAL_RANK from the environment wins")
+    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=_int(0), default=None,
+                   help="set by the legacy torch.distributed.launch; LOCAL_RANK from the "
+                        "environment wins")
 
     g = p.add_argument_group("checkpoints and output")
-    g.add_argument("--checkpoint-dir", default=d.checkpoint_dir, help="where rank 0 writes checkpoints")
-    g.add_argument("--save-every", type=_non_negative_int, default=d.save_every,
+    g.add_argument("--checkpoint-dir", default=d.checkpoint_dir,
+                   help="where checkpoints are written")
+    g.add_argument("--save-every", type=_int(0), default=d.save_every,
                    help="save every N epochs, 0 = only at the end")
-    g.add_argument("--save-every-steps", type=_non_negative_int, default=d.save_every_steps,
+    g.add_argument("--save-every-steps", type=_int(0), default=d.save_every_steps,
                    help="also save every N optimizer steps, 0 = off")
-    g.add_argument("--keep-last", type=_non_negative_int, default=d.keep_last,
-                   help="checkpoints to keep, 0 = keep all")
+    g.add_argument("--keep-last", type=_int(0), default=d.keep_last,
+                   help="checkpoints of this run to keep, 0 = keep all")
     g.add_argument("--resume", default=d.resume, metavar="{auto,never,PATH}",
-                   help="auto = newest readable checkpoint in --checkpoint-dir, if any")
-    g.add_argument("--output-dir", default=d.output_dir, help="metrics.jsonl and summary.json go here")
-    g.add_argument("--log-every", type=_positive_int, default=d.log_every, help="log every N optimizer steps")
+                   help="auto = newest complete checkpoint in --checkpoint-dir, if any")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background while training goes on")
+    g.add_argument("--output-dir", default=d.output_dir,
+                   help="metrics.jsonl, summary.json and config.json go here")
+    g.add_argument("--log-every", type=_int(1), default=d.log_every,
+                   help="log every N optimizer steps")
     g.add_argument("--step-times", default=d.step_times, metavar="PATH",
-                   help="write rank 0's wall-clock time at the end of every optimizer step (on a GPU also "
-                        "each step's CUDA-event time) to this JSON file")
-    g.add_argument("--tracker", choices=["none", "tensorboard"], default=d.tracker,
-                   help="also write metrics to TensorBoard")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+                   help="write rank 0's wall-clock time at the end of every optimizer step (on a "
+                        "GPU also each step's CUDA-event time) to this JSON file")
+    g.add_argument("--profile-steps", type=_step_range, default=d.profile_steps,
+                   metavar="FIRST:LAST",
+                   help="record a torch.profiler trace of these optimizer steps on rank 0 into "
+                        "<output-dir>/profile/")
+    g.add_argument("--tracker", choices=TRACKERS, default=d.tracker,
+                   help="where metrics go besides metrics.jsonl (rank 0 only)")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar")
+    g.add_argument("--config", default=None, metavar="PATH",
+                   help="a TOML file of flag values (keys like the flags without --); flags given "
+                        "on the command line win")
     return p
 
 
+# ---------------------------------------------------------------------- config files
+# Not settable from a file: they describe one launch, not the run.
+_LAUNCH_ONLY = {"config", "local-rank", "local_rank"}
+_TOML_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
+               "str | None": (str,), "int | None": (int,), "list[str]": (str, list)}
+
+
+def _flag_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """'batch-size' -> its action, for every --flag."""
+    return {option[2:]: action for action in parser._actions  # argparse keeps them only here
+            for option in action.option_strings if option.startswith("--")}
+
+
+def config_file_values(path: str, parser: Parser) -> dict[str, Any]:
+    """Flag values from a TOML file, converted and checked exactly like command-line flags."""
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except FileNotFoundError:
+        parser.fail(f"--config {path}: no such file")
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        parser.fail(f"--config {path}: not a readable TOML file ({exc})")
+    actions = _flag_actions(parser)
+    types = {f.name: f.type for f in dataclasses.fields(Config)}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        action = actions.get(key)
+        if action is None or key in _LAUNCH_ONLY:
+            parser.fail(f"--config {path}: unknown key '{key}'; keys are the flags without '--' "
+                         "(see --help)")
+        dest = action.dest
+        expected = _TOML_TYPES[types[dest]]
+        if isinstance(value, bool) != (bool in expected) or not isinstance(value, expected):
+            kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+                    list: "a string"}
+            parser.fail(f"--config {path}: key '{key}' must be {kind[expected[-1]]}, got "
+                         f"{value!r}")
+        if isinstance(value, bool):
+            values[dest] = value if action.const is True else not value  # --no-progress
+            continue
+        text = ",".join(value) if isinstance(value, list) else str(value)
+        try:
+            values[dest] = action.type(text) if action.type else text
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            parser.fail(f"--config {path}: key '{key}': {exc}")
+        if action.choices and values[dest] not in action.choices:
+            parser.fail(f"--config {path}: key '{key}' must be one of "
+                         f"{', '.join(map(str, action.choices))}, got {value!r}")
+    return values
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
-    """Parse flags into a Config. Bad flags exit with code 2 (argparse)."""
+    """Flags (and --config) into a Config. Bad values exit with code 2 and one `error:` line."""
     parser = build_parser()
+    config_path = _config_path(argv)
+    if config_path:
+        parser.set_defaults(**config_file_values(config_path, parser))
     args = parser.parse_args(argv)
-    if args.data is not None and not Path(args.data).is_file():
-        parser.error(f"--data {args.data}: no such file")
-    if not 0 <= args.val_fraction < 1:
-        parser.error(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
-    return Config(**vars(args))
+    cfg = Config(**vars(args))
+    for problem in problems(cfg):
+        parser.fail(problem)
+    return cfg
+
+
+def _config_path(argv: list[str] | None) -> str | None:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return known.config
+
+
+def problems(cfg: Config) -> list[str]:
+    """Combinations of values that cannot work, found before any work starts."""
+    found = []
+    if cfg.data is not None and not Path(cfg.data).exists():
+        found.append(f"--data {cfg.data}: no such file or folder")
+    for flag, value in (("--checkpoint-dir", cfg.checkpoint_dir), ("--output-dir", cfg.output_dir)):
+        if Path(value).exists() and not Path(value).is_dir():
+            found.append(f"{flag} {value} is a file, not a folder; pick a folder")
+    if cfg.step_times and Path(cfg.step_times).is_dir():
+        found.append(f"--step-times {cfg.step_times} is a folder; name a file, e.g. "
+                     f"{Path(cfg.step_times) / 'steps.json'}")
+    if cfg.stage_devices and cfg.model_layout != "model_parallel_2":
+        found.append("--stage-devices only applies to --model-layout model_parallel_2")
+    if cfg.sync_bn and cfg.model_layout == "fsdp":
+        found.append("--sync-bn does not work with --model-layout fsdp; drop --sync-bn")
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        found.append(f"--resume {cfg.resume}: no such file or folder; use --resume auto or "
+                     "--resume never")
+    return found

@@ -1,169 +1,224 @@
-"""Data: a synthetic regression task, a tensor-file data set, and a loader that cuts whole batches
-by tensor indexing (one gather per batch instead of one `__getitem__` per sample).
+"""Batches from any map-style Dataset, sharded across ranks.
 
-Replace `build_datasets` with your own data. Anything with `__len__` and a `__getitem__` that
-accepts a tensor of indices works unchanged; a per-sample data set works too if you build the
-DataLoader with `batch_size=` instead of the batch sampler below.
+- `ShardedBatchSampler` decides which samples each rank trains on: a new shuffle every epoch
+  (`set_epoch`, the step people forget), shards padded so every rank gets the same number of
+  batches, and a start batch so a resumed run skips what it already trained without loading it.
+- `BatchFetcher` turns one batch of indices into a batch: a data set with `__getitems__` is asked
+  for the whole batch at once (in-memory tensors: one gather instead of one call per sample),
+  any other one sample by sample, then `collate`.
+- `build_loader` runs the fetcher in this process (`--num-workers 0`, no DataLoader bookkeeping)
+  or in DataLoader worker processes. In workers, each batch's random numbers are seeded from
+  (seed, rank, epoch, batch), so random augmentation does not depend on which worker made the
+  batch or on whether the run was resumed.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
-from pathlib import Path
+import signal
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
-
-from .distributed import SetupError
-
-IN_FEATURES = 20
+from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
 
-class TensorPairDataset(Dataset):
-    """Inputs and targets held in memory as two tensors with the same first dimension."""
+class InMemoryDataset(Dataset):
+    """Tensors with the same first dimension, served whole batches at a time.
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        if x.shape[0] != y.shape[0]:
-            raise SetupError(f"data: {x.shape[0]} inputs but {y.shape[0]} targets; they must match")
-        self.x, self.y = x, y
+    With one tensor, an item is its row and a batch a tensor of rows; with several, items and
+    batches are tuples. `__getitems__` cuts a batch with one indexing operation per tensor.
+    """
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        sizes = {t.shape[0] for t in tensors}
+        if len(sizes) != 1:
+            raise ValueError(f"tensors of different lengths: {[t.shape[0] for t in tensors]}")
+        self.tensors = tensors
 
     def __len__(self) -> int:
-        return self.x.shape[0]
+        return self.tensors[0].shape[0]
 
-    def __getitem__(self, index: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[index], self.y[index]
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__(index)
 
+    def __getitems__(self, indices: torch.Tensor) -> Any:
+        if len(self.tensors) == 1:
+            return self.tensors[0][indices]
+        return tuple(t[indices] for t in self.tensors)
 
-def synthetic_regression(size: int, seed: int, in_features: int = IN_FEATURES) -> TensorPairDataset:
-    """A smooth non-linear target plus a little noise: an MLP fits it, a linear model does not.
-
-    Seeded by its own generator so every rank builds the identical data set.
-    """
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(size, in_features, generator=g)
-    w = torch.randn(in_features, 1, generator=g) / math.sqrt(in_features)
-    v = torch.randn(in_features, 1, generator=g) / math.sqrt(in_features)
-    y = torch.sin(x @ w) + 0.5 * (x @ v) + 0.05 * torch.randn(size, 1, generator=g)
-    return TensorPairDataset(x, y)
+    def subset(self, indices: torch.Tensor) -> InMemoryDataset:
+        return InMemoryDataset(*(t[indices] for t in self.tensors))
 
 
-def save_tensor_file(path: str | Path, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Write a data file that `--data PATH` reads."""
-    torch.save({"x": x, "y": y}, path)
+def split_for_validation(size: int, n_val: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train indices, validation indices): `n_val` of `size` samples held out by a seeded
+    shuffle, the same on every rank."""
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + 1))
+    return order[n_val:], order[:n_val]
 
 
-def load_tensor_file(path: str | Path) -> TensorPairDataset:
-    """Read `{'x': inputs, 'y': targets}` written by `save_tensor_file` (or any torch.save of that dict)."""
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise SetupError(f"--data {path}: cannot read it as a tensor file ({type(exc).__name__}); "
-                         "write it with torch.save({'x': inputs, 'y': targets}, path)") from None
-    if not isinstance(blob, dict) or not {"x", "y"} <= blob.keys():
-        raise SetupError(f"--data {path}: expected a dict with tensors 'x' and 'y'")
-    x, y = blob["x"].float(), blob["y"].float()
-    if y.dim() == 1:
-        y = y.unsqueeze(1)
-    return TensorPairDataset(x, y)
+class ShardedBatchSampler:
+    """This rank's batches of one epoch, as `(seed, indices)` pairs.
 
-
-class DistributedBatchSampler:
-    """Yields this rank's batches as index tensors, from a DistributedSampler.
-
-    `set_epoch(epoch, start_batch)` reshuffles (the step people forget) and can skip the batches
-    already trained, so a run resumed mid-epoch sees exactly the batches it would have seen.
+    Like DistributedSampler + BatchSampler: the epoch's permutation (seeded by seed + epoch) is
+    padded to a multiple of the world size and dealt out round-robin, so every rank has the same
+    number of samples; the last batch may be short.
     """
 
-    def __init__(self, sampler: DistributedSampler, batch_size: int) -> None:
-        self.sampler = sampler
-        self.batch_size = batch_size
-        self.start_batch = 0
+    def __init__(self, size: int, rank: int, world_size: int, batch_size: int, seed: int,
+                 shuffle: bool = True) -> None:
+        if size < 1:
+            raise ValueError("the data set is empty")
+        self.size, self.rank, self.world_size = size, rank, world_size
+        self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
+        self.shard_size = math.ceil(size / world_size)
+        self.epoch, self.start_batch = 0, 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.sampler.set_epoch(epoch)
-        self.start_batch = start_batch
+        self.epoch, self.start_batch = epoch, start_batch
 
     def batches_per_epoch(self) -> int:
-        return math.ceil(len(self.sampler) / self.batch_size)
+        return math.ceil(self.shard_size / self.batch_size)
+
+    def batch_len(self, batch: int) -> int:
+        """Samples in batch number `batch` of an epoch (the last one may be short)."""
+        return min(self.batch_size, self.shard_size - batch * self.batch_size)
 
     def __len__(self) -> int:
         return self.batches_per_epoch() - self.start_batch
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        indices = torch.tensor(list(self.sampler))
-        for start in range(self.start_batch * self.batch_size, len(indices), self.batch_size):
-            yield indices[start:start + self.batch_size]
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(
+                self.seed + self.epoch))
+        else:
+            order = torch.arange(self.size)
+        padded = self.shard_size * self.world_size
+        if padded > self.size:  # repeat samples from the start, as DistributedSampler does
+            order = torch.cat([order, order.repeat(math.ceil(padded / self.size))[
+                :padded - self.size]])
+        shard = order[self.rank:padded:self.world_size]
+        for batch in range(self.start_batch, self.batches_per_epoch()):
+            start = batch * self.batch_size
+            yield batch_seed(self.seed, self.rank, self.epoch, batch), shard[
+                start:start + self.batch_size]
 
 
-class InMemoryLoader:
-    """This rank's batches, cut in this process: what `DataLoader(num_workers=0)` does with our batch
-    sampler, without its per-batch bookkeeping (about 20 us a step, a few percent of a small model's
-    step). `build_loader` switches to a real DataLoader when --num-workers asks for worker processes."""
+def batch_seed(seed: int, rank: int, epoch: int, batch: int) -> int:
+    """A seed per batch of each rank and epoch, for the random numbers of data workers."""
+    return hash((seed, rank, epoch, batch)) % 2**63
 
-    def __init__(self, dataset: Any, sampler: DistributedBatchSampler, pin_memory: bool = False) -> None:
-        self.dataset, self.sampler, self.pin_memory = dataset, sampler, pin_memory
+
+class FixedBatches:
+    """The same batches every time, as `(seed, indices)` pairs: this rank's share of the
+    validation set. Padded with batches to ignore (after the first `real` ones) up to `count`, so
+    every rank runs as many forward passes as the others (fsdp gathers weights in each)."""
+
+    def __init__(self, indices: torch.Tensor, batch_size: int, seed: int, count: int) -> None:
+        chunks = list(indices.split(batch_size))
+        self.real = len(chunks)
+        filler = indices[:1] if len(indices) else torch.zeros(1, dtype=torch.long)
+        chunks += [filler] * (count - len(chunks))
+        self.batches = [(batch_seed(seed, -1, 0, i), chunk) for i, chunk in enumerate(chunks)]
 
     def __len__(self) -> int:
-        return len(self.sampler)
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
+        return iter(self.batches)
+
+
+def validation_batches(size: int, rank: int, world_size: int, batch_size: int,
+                       seed: int) -> FixedBatches:
+    """Every validation sample exactly once across ranks (rank r takes r, r + world, ...), with
+    no padding duplicates: DistributedSampler would repeat samples and bias the metric."""
+    count = math.ceil(math.ceil(size / world_size) / batch_size)
+    mine = torch.arange(rank, size, world_size) if rank < size else torch.zeros(0, dtype=torch.long)
+    return FixedBatches(mine, batch_size, seed, count)
+
+
+class BatchFetcher:
+    """What a DataLoader worker (or, without workers, the training process) does for one batch."""
+
+    def __init__(self, dataset: Dataset, collate: Callable[[list[Any]], Any] | None) -> None:
+        self.dataset = dataset
+        self.collate = collate or default_collate
+        self._getitems = getattr(dataset, "__getitems__", None)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitems__(self, key: tuple[int, torch.Tensor]) -> Any:
+        seed, indices = key
+        if get_worker_info() is not None:  # a worker's own random state: seeded per batch
+            torch.manual_seed(seed)
+            random.seed(seed)
+            if "numpy" in sys.modules:
+                sys.modules["numpy"].random.seed(seed % 2**32)
+        if self._getitems is not None:
+            data = self._getitems(indices)
+        else:
+            data = [self.dataset[i] for i in indices.tolist()]
+        # A list holds samples still to be collated; anything else is already a batch.
+        return self.collate(data) if isinstance(data, list) else data
+
+
+class InProcessLoader:
+    """Batches made in the training process: what `DataLoader(num_workers=0)` does with our
+    sampler, without its per-batch bookkeeping (about 20 us a step, a few percent of a small
+    model's step)."""
+
+    def __init__(self, fetcher: BatchFetcher, batches: Any, pin_memory: bool = False) -> None:
+        self.fetcher, self.batches, self.pin_memory = fetcher, batches, pin_memory
+
+    def __len__(self) -> int:
+        return len(self.batches)
 
     def __iter__(self) -> Iterator[Any]:
-        for indices in self.sampler:
-            batch = self.dataset[indices]
-            # Pinned host memory lets the trainer's non_blocking copy to the GPU overlap with compute.
-            yield tuple(t.pin_memory() for t in batch) if self.pin_memory else batch
+        for key in self.batches:
+            batch = self.fetcher.__getitems__(key)
+            # Pinned memory lets the trainer's non_blocking copy to the GPU overlap with compute.
+            yield _apply(batch, torch.Tensor.pin_memory) if self.pin_memory else batch
 
 
-def build_datasets(data_path: str | None, dataset_size: int, seed: int,
-                   val_fraction: float = 0.0) -> tuple[TensorPairDataset, TensorPairDataset | None]:
-    """Training and validation data, identical on every rank.
-
-    Synthetic data: `dataset_size` training samples plus `val_fraction` of that as extra validation
-    samples. A data file: `val_fraction` of its samples are held out, chosen by a seeded shuffle.
-    """
-    if data_path:
-        dataset = load_tensor_file(data_path)
-        n_val = int(len(dataset) * val_fraction)
-    else:
-        n_val = int(dataset_size * val_fraction)
-        dataset = synthetic_regression(dataset_size + n_val, seed)
-    if n_val == 0:
-        return dataset, None
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + 1))
-    return TensorPairDataset(*dataset[order[n_val:]]), TensorPairDataset(*dataset[order[:n_val]])
+def _as_is(batch: Any) -> Any:
+    return batch  # the fetcher already collated (a module-level function: workers pickle it)
 
 
-def eval_shard(size: int, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's validation indices: every sample exactly once across ranks, no padding duplicates
-    (DistributedSampler would repeat samples to even out the shards and bias the metric)."""
-    return torch.arange(rank, size, world_size)
+def _worker_init(worker_id: int) -> None:
+    # Workers leave stop signals to the training process, which shuts them down itself; they
+    # must not write to its signal wakeup socket either (they inherit it with the fork).
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _seed_worker(worker_id: int) -> None:
-    # Each DataLoader worker gets its own stream, derived from the loader's seeded generator.
-    random.seed(torch.initial_seed() % 2**32)
-
-
-def build_loader(dataset: Dataset, rank: int, world_size: int, batch_size: int, seed: int,
-                 num_workers: int = 0, pin_memory: bool = False) -> InMemoryLoader | DataLoader:
-    """Every rank gets its own shard of each epoch; all ranks get the same number of batches.
-
-    The DistributedSampler pads the shards to equal length, so no rank waits for a step the others
-    never take. Both loaders yield the same batches; only `num_workers > 0` needs DataLoader's processes.
-    """
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
-    batches = DistributedBatchSampler(sampler, batch_size)
+def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_workers: int,
+                 pin_memory: bool) -> InProcessLoader | DataLoader:
+    """A loader over `batches` (a ShardedBatchSampler or FixedBatches) of `dataset`."""
+    fetcher = BatchFetcher(dataset, collate)
     if num_workers == 0:
-        return InMemoryLoader(dataset, batches, pin_memory)
-    return DataLoader(
-        dataset,
-        sampler=batches,
-        batch_size=None,  # the sampler already yields whole batches
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        persistent_workers=True,
-        worker_init_fn=_seed_worker,
-        generator=torch.Generator().manual_seed(seed + rank),  # seeds the workers, per rank
-    )
+        return InProcessLoader(fetcher, batches, pin_memory)
+    return DataLoader(fetcher, batch_sampler=batches, collate_fn=_as_is, num_workers=num_workers,
+                      pin_memory=pin_memory, persistent_workers=True, worker_init_fn=_worker_init)
+
+
+def _apply(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`fn` on every tensor of a batch: a tensor, or tuples, lists and dicts of them."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_apply(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _apply(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def move_to(batch: Any, device: torch.device) -> Any:
+    """A batch on `device`. The copies do not block the host (pinned memory on a GPU)."""
+    if type(batch) is tuple and all(type(t) is torch.Tensor for t in batch):
+        return tuple(t.to(device, non_blocking=True) for t in batch)  # the common case, fast
+    return _apply(batch, lambda t: t.to(device, non_blocking=True))

@@ -4,84 +4,148 @@
     torchrun --standalone --nproc-per-node=2 -m {{ cookiecutter.package_name }}.doctor  # the real world
     srun python -m {{ cookiecutter.package_name }}.doctor                              # under SLURM
 
-Each process prints what it sees (launcher, ranks, backend, devices, rendezvous, relevant variables,
-versions), then all of them do an all_reduce and a barrier with a short timeout. Exit 0 and `OK`, or
-exit 1 and a `FAIL:` line that says what to fix. It accepts the same flags as train.py.
+Each process prints what it sees (launcher, ranks, backend, devices, GPUs, rendezvous, relevant
+variables, versions) and warns about known traps, then all of them do an all_reduce, a barrier and
+a bandwidth measurement with a short timeout. Exit 0 and `OK`, or exit 1 and a `FAIL:` line that
+says what to fix. It accepts the same flags as train.py.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import shutil
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 from .config import build_parser
-from .distributed import (
-    SetupError,
-    assign_devices,
-    cleanup,
-    ddp_setup,
-    is_communication_failure,
-    resolve_backend,
-    resolve_init_method,
-    resolve_world,
-)
+from .distributed import assign_devices, cleanup, ddp_setup, resolve_backend, resolve_rendezvous
+from .environments import World, resolve_world
+from .failures import SetupError, is_communication_failure
+from .lifeline import Lifeline
 from .train import rendezvous_dir
 
-ENV_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_", "TORCHELASTIC_",
-                "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_JOB_NODELIST",
-                "SLURM_STEP_ID", "CUDA_VISIBLE_DEVICES", "NCCL_", "GLOO_", "USE_LIBUV", "OMP_NUM_THREADS")
+ENV_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_",
+                "TORCHELASTIC_", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_JOB_ID",
+                "SLURM_JOB_NODELIST", "SLURM_STEP_", "CUDA_VISIBLE_DEVICES", "NCCL_", "TORCH_NCCL_",
+                "GLOO_", "USE_LIBUV", "OMP_NUM_THREADS", "PET_")
+SHM_WARN_MB = 1024
 
 
 def versions() -> str:
     nccl = "none"
     if torch.cuda.is_available() and dist.is_nccl_available():
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    return (f"python {platform.python_version()}, torch {torch.__version__}, cuda {torch.version.cuda}, "
-            f"nccl {nccl}, gloo {'yes' if dist.is_gloo_available() else 'no'}, {platform.system()}")
+    return (f"python {platform.python_version()}, torch {torch.__version__}, cuda "
+            f"{torch.version.cuda}, nccl {nccl}, gloo {'yes' if dist.is_gloo_available() else 'no'}"
+            f", {platform.system()}")
+
+
+def gpus() -> list[str]:
+    """One line per visible GPU: name, memory, compute capability, peer access to the others."""
+    lines = []
+    count = torch.cuda.device_count()
+    for i in range(count):
+        p = torch.cuda.get_device_properties(i)
+        peers = [j for j in range(count) if j != i and torch.cuda.can_device_access_peer(i, j)]
+        lines.append(f"cuda:{i} {p.name}, {p.total_memory / 2**30:.1f} GiB, compute capability "
+                     f"{p.major}.{p.minor}, peer access (P2P/NVLink) to "
+                     f"{', '.join(f'cuda:{j}' for j in peers) if peers else 'none'}")
+    return lines
+
+
+def traps(world: World, cuda_count: int, backend: str) -> list[str]:
+    """Known ways a job breaks, found in this process's surroundings."""
+    found = []
+    if backend == "nccl" and world.local_world_size > cuda_count:
+        found.append(f"{world.local_world_size} processes on this node but {cuda_count} visible "
+                     "GPU(s): NCCL refuses two ranks on one GPU; start one process per GPU")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and cuda_count and len([v for v in visible.split(",") if v]) != \
+            cuda_count:
+        found.append(f"CUDA_VISIBLE_DEVICES={visible} names {len(visible.split(','))} device(s) "
+                     f"but {cuda_count} are visible: some ids do not exist on this machine")
+    if os.path.isdir("/dev/shm"):
+        free_mb = shutil.disk_usage("/dev/shm").free / 2**20
+        if free_mb < SHM_WARN_MB:
+            found.append(f"/dev/shm has {free_mb:.0f} MB free: DataLoader workers pass batches "
+                         "through it (containers default to 64 MB; raise it, e.g. docker "
+                         "--shm-size=8g, or train with --num-workers 0)")
+    return found
+
+
+def bandwidth_gb_s(device: torch.device, megabytes: int) -> float:
+    """all_reduce bus bandwidth (as nccl-tests reports it): bytes x 2(n-1)/n per second."""
+    data = torch.ones(megabytes * 2**20 // 4, device=device)
+    dist.all_reduce(data)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start, rounds = time.perf_counter(), 5
+    for _ in range(rounds):
+        dist.all_reduce(data)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = (time.perf_counter() - start) / rounds
+    n = dist.get_world_size()
+    return data.numel() * 4 * (2 * (n - 1) / n if n > 1 else 1) / seconds / 1e9
 
 
 def check(argv: list[str] | None = None) -> int:
     parser = build_parser()
     parser.set_defaults(timeout_s=30.0)  # a preflight should fail fast
     cfg = parser.parse_args(argv)
-    world = resolve_world(local_rank_flag=cfg.local_rank)
-    tag = f"[doctor rank {world.rank}/{world.world_size}]"
+    seen = resolve_world(local_rank_flag=cfg.local_rank, check=False)
+    tag = f"[doctor rank {seen.rank}/{seen.world_size}]"
     print(f"{tag} {versions()}", flush=True)
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
     print(f"{tag} environment: {env or 'no launcher variables'}", flush=True)
+    print(f"{tag} resolved: launcher {seen.launcher}, rank {seen.rank}, local rank "
+          f"{seen.local_rank}/{seen.local_world_size}, world {seen.world_size}, master "
+          f"{seen.master_addr}:{seen.master_port}", flush=True)
+    world = resolve_world(local_rank_flag=cfg.local_rank)  # now with the consistency checks
     cuda_count = torch.cuda.device_count()
+    for line in gpus():
+        print(f"{tag} {line}", flush=True)
     backend = resolve_backend(cfg.backend, cuda_count, dist.is_nccl_available())
-    devices = assign_devices(world.local_rank, world.local_world_size, cuda_count, cfg.model_layout,
-                             cfg.stage_devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    url = resolve_init_method(cfg.init_method, world, rendezvous_dir(cfg))
-    print(f"{tag} launcher {world.launcher}, local rank {world.local_rank}/{world.local_world_size}, "
-          f"backend {backend}, devices {', '.join(map(str, devices))}, visible GPUs {cuda_count}, "
-          f"init {url}, master {world.master_addr}:{world.master_port}", flush=True)
+    for trap in traps(world, cuda_count, backend):
+        print(f"{tag} WARNING: {trap}", flush=True)
+    devices = assign_devices(world.local_rank, world.local_world_size, cuda_count,
+                             cfg.model_layout, cfg.stage_devices,
+                             os.environ.get("CUDA_VISIBLE_DEVICES"))
+    rdzv = resolve_rendezvous(cfg.init_method, world, rendezvous_dir(cfg))
+    print(f"{tag} backend {backend}, devices {', '.join(map(str, devices))}, visible GPUs "
+          f"{cuda_count}, rendezvous {rdzv}", flush=True)
+    lifeline = Lifeline(world.rank, cfg.timeout_s).start()
+    store = None
     try:
-        ddp_setup(world, backend, cfg.init_method, cfg.timeout_s, devices, rendezvous_dir(cfg))
-        value = torch.tensor([float(world.rank + 1)], device=devices[0])
+        store = ddp_setup(world, backend, rdzv, cfg.timeout_s, devices, lifeline)
+        device = devices[0] if backend == "nccl" else torch.device("cpu")
+        value = torch.tensor([float(world.rank + 1)], device=device)
         dist.all_reduce(value)
         expected = world.world_size * (world.world_size + 1) / 2
         if value.item() != expected:
-            raise SetupError(f"all_reduce gave {value.item()}, expected {expected}: the ranks disagree on who "
-                             "is who; check that every process got a different RANK")
+            raise SetupError(f"all_reduce gave {value.item()}, expected {expected}: the ranks "
+                             "disagree on who is who; check that every process got its own RANK")
+        speed = bandwidth_gb_s(device, 64 if device.type == "cuda" else 16)
         dist.barrier()
     except RuntimeError as exc:
         if not is_communication_failure(exc):
             raise
         raise SetupError(
-            f"the {world.world_size} processes could not all meet within --timeout-s={cfg.timeout_s:g} "
-            f"({str(exc).strip().splitlines()[0]}). Check that exactly WORLD_SIZE={world.world_size} processes "
-            f"were started, that {world.master_addr}:{world.master_port} is reachable from every node "
-            "(firewall, MASTER_ADDR set to a name others can resolve), and that no other job uses that port"
-        ) from None
+            f"the {world.world_size} processes could not all meet within --timeout-s="
+            f"{cfg.timeout_s:g} ({str(exc).strip().splitlines()[0]}). Check that exactly "
+            f"WORLD_SIZE={world.world_size} processes were started, that {world.master_addr}:"
+            f"{world.master_port} is reachable from every node (firewall, MASTER_ADDR set to a "
+            "name others can resolve), and that no other job uses that port") from None
     finally:
-        cleanup()
-    print(f"{tag} OK: all_reduce and barrier across {world.world_size} process(es) over {backend}", flush=True)
+        lifeline.close()
+        cleanup(store, rdzv)
+    print(f"{tag} all_reduce bandwidth over {backend}: {speed:.2f} GB/s", flush=True)
+    print(f"{tag} OK: all_reduce and barrier across {world.world_size} process(es) over "
+          f"{backend}", flush=True)
     return 0
 
 

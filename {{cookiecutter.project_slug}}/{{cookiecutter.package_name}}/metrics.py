@@ -1,57 +1,147 @@
-"""Rank 0's record of the run: metrics.jsonl always, TensorBoard when asked, summary.json at the end."""
+"""What a run reports: rank 0's metrics.jsonl, summary.json and config.json, the tracker, the
+progress bar, step times and peak memory. Everything here does nothing on other ranks, so callers
+need not check the rank."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from .distributed import SetupError
+import torch
+
+from .trackers import Tracker, open_tracker
 
 
 class MetricsWriter:
-    """Writes nothing on ranks other than 0, so callers need not check the rank."""
-
-    def __init__(self, output_dir: str | Path, enabled: bool, tracker: str = "none", append: bool = False) -> None:
+    def __init__(self, output_dir: str | Path, enabled: bool, tracker: str = "none",
+                 append: bool = False, config: dict[str, Any] | None = None,
+                 tracker_run_id: str | None = None) -> None:
         self.output_dir = Path(output_dir)
         self.enabled = enabled
         self._file = None
-        self._tb = None
+        self.tracker: Tracker | None = None
         if not enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
         # A resumed run continues the same curve; a fresh run starts a new one.
-        self._file = open(self.output_dir / "metrics.jsonl", "a" if append else "w", encoding="utf-8")
-        if tracker == "tensorboard":
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise SetupError("--tracker tensorboard needs the tensorboard package: "
-                                 "pip install tensorboard (or use --tracker none)") from None
-            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+        self._file = open(self.output_dir / "metrics.jsonl", "a" if append else "w",
+                          encoding="utf-8")
+        self.tracker = open_tracker(tracker, self.output_dir, config or {}, tracker_run_id)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key not in ("step", "epoch") and isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"train/{key}", value, record["step"])
+        if self.tracker is not None:
+            self.tracker.log(record)
 
-    def write_summary(self, summary: dict[str, Any]) -> Path | None:
+    def write_json(self, name: str, data: dict[str, Any]) -> Path | None:
+        """`name` in the output folder, replaced atomically."""
         if not self.enabled:
             return None
-        path = self.output_dir / "summary.json"
+        path = self.output_dir / name
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, path)
         return path
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+            self._file = None
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
+
+
+class Progress:
+    """A tqdm bar on rank 0 when asked for (and tqdm is installed); otherwise it does nothing."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.bar = None
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+                self._tqdm = tqdm
+            except ImportError:
+                self.enabled = False
+
+    def start(self, epoch: int, total: int, done: int) -> None:
+        if self.enabled:
+            self.bar = self._tqdm(total=total, initial=done, desc=f"epoch {epoch}",
+                                  file=sys.stderr, dynamic_ncols=True, leave=False)
+
+    def update(self) -> None:
+        if self.bar is not None:
+            self.bar.update()
+
+    def show(self, text: str) -> bool:
+        """Put `text` on the bar; False when there is no bar (print it instead)."""
+        if self.bar is None:
+            return False
+        self.bar.set_postfix_str(text)
+        return True
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class StepClock:
+    """The end of every optimizer step on the host clock, and on a GPU also a CUDA event per step
+    (the host clock only sees kernel launches there). The benchmark times every variant with it."""
+
+    WARMUP = 20  # steps dropped from the statistics: allocators and DDP's buckets warm up
+
+    def __init__(self, device: torch.device, cuda_events: bool = False) -> None:
+        self.ends: list[float] = []
+        self.events: list[torch.cuda.Event] | None = (
+            [] if cuda_events and device.type == "cuda" else None)
+
+    def tick(self) -> None:
+        self.ends.append(time.perf_counter())
+        if self.events is not None:
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()
+
+    def step_ms(self) -> list[float]:
+        ms = [1000 * (b - a) for a, b in zip(self.ends, self.ends[1:], strict=False)]
+        return ms[self.WARMUP:] if len(ms) > 2 * self.WARMUP else ms
+
+    def summary(self) -> dict[str, float | None]:
+        ms = self.step_ms()
+        return {"median_step_ms": round(statistics.median(ms), 3) if ms else None,
+                "p90_step_ms": round(statistics.quantiles(ms, n=10)[-1], 3) if len(ms) > 1
+                else None}
+
+    def report(self, started_at: float) -> dict[str, Any]:
+        """Wall-clock step ends (and on a GPU each step's CUDA-event time), for --step-times."""
+        to_wall = time.time() - time.perf_counter()
+        report: dict[str, Any] = {"started_at": started_at,
+                                  "step_ends": [t + to_wall for t in self.ends]}
+        if self.events:
+            torch.cuda.synchronize()
+            report["cuda_step_ms"] = [a.elapsed_time(b) for a, b in
+                                      zip(self.events, self.events[1:], strict=False)]
+        return report
+
+
+def peak_memory_mb(device: torch.device) -> tuple[float, float]:
+    """(peak allocated, peak reserved) on a GPU; (peak resident set, 0) of this process on CPU."""
+    if device.type == "cuda":
+        return (torch.cuda.max_memory_allocated(device) / 2**20,
+                torch.cuda.max_memory_reserved(device) / 2**20)
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0.0, 0.0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return (rss / 2**20 if sys.platform == "darwin" else rss / 2**10), 0.0  # bytes vs KiB

@@ -1,47 +1,39 @@
-"""Entry point: parse flags, find out who we are, set up the process group, train, tear down.
+"""Entry point: parse flags, find out who we are, join the process group, assemble the parts, train.
 
-Works under every launcher (see the README); with `--nprocs N` and no launcher it starts N processes
-itself with `torch.multiprocessing`.
+Works under every launcher (see the README); with `--nprocs N` and no launcher it starts N
+processes itself with `torch.multiprocessing`.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
 import sys
 import time
+import traceback
 import uuid
 from pathlib import Path
-from typing import NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import task
 from .config import Config, parse_args
-from .data import build_datasets, build_loader
-from .distributed import (
-    SetupError,
-    World,
-    assign_devices,
-    cleanup,
-    ddp_setup,
-    describe_communication_failure,
-    find_free_port,
-    is_communication_failure,
-    report_error,
-    resolve_backend,
-    resolve_init_method,
-    resolve_world,
-)
-from .model import build_model
+from .data import ShardedBatchSampler, build_loader, validation_batches
+from .distributed import assign_devices, cleanup, ddp_setup, resolve_backend, resolve_rendezvous
+from .environments import World, find_free_port, resolve_world
+from .failures import PeerErrors, SetupError, is_communication_failure, report_error
+from .lifeline import STOP_SIGNALS, Lifeline
+from .optim import Optimization
+from .parallel import parallelize
 from .trainer import Trainer
+from .workarounds import exit_process
 
 STARTED_AT = time.time()  # when this process imported the code: the start of "time to first step"
-
-# SIGTERM: torchrun, SLURM and Kubernetes stopping the job; SIGUSR1: SLURM's --signal warning.
-STOP_SIGNALS = [signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
 
 
 def seed_everything(seed: int) -> None:
@@ -49,102 +41,134 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run(cfg: Config, world: World) -> dict:
-    """Train as one process of `world`. The process group is always torn down, even on errors."""
-    cuda_count = torch.cuda.device_count()
-    backend = resolve_backend(cfg.backend, cuda_count, dist.is_nccl_available())
-    devices = assign_devices(world.local_rank, world.local_world_size, cuda_count, cfg.model_layout,
-                             cfg.stage_devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    init_url = ""
-    try:
-        init_url = ddp_setup(world, backend, cfg.init_method, cfg.timeout_s, devices,
-                             rendezvous_dir=rendezvous_dir(cfg))
-        if world.is_main:
-            print(f"world: {world.world_size} process(es), launcher {world.launcher}, backend {backend}, "
-                  f"rank 0 on {', '.join(map(str, devices))}", flush=True)
-        if cfg.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it to be deterministic
-            torch.use_deterministic_algorithms(True)
-            torch.backends.cudnn.benchmark = False
-        seed_everything(cfg.seed)  # the same initial model on every rank
-        train_set, val_set = build_datasets(cfg.data, cfg.dataset_size, cfg.seed, cfg.val_fraction)
-        loader = build_loader(train_set, world.rank, world.world_size, cfg.batch_size, cfg.seed,
-                              cfg.num_workers, pin_memory=devices[0].type == "cuda")
-        model = build_model(cfg.model_layout, devices, cfg.hidden_size, cfg.num_layers, cfg.batch_norm)
-        if cfg.sync_bn:
-            if devices[0].type == "cuda":
-                # Batch statistics over the global batch; only the CUDA kernels support it.
-                model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-            elif world.is_main:
-                print("warning: --sync-bn needs CUDA; keeping per-process BatchNorm on CPU", file=sys.stderr,
-                      flush=True)
-        trainer = Trainer(cfg, world, model, loader, devices, backend, val_set, started_at=STARTED_AT)
-        seed_everything(cfg.seed + world.rank)  # different random streams per rank from here on
-        trainer.resume()
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, trainer.request_stop)
-        return trainer.train()
-    except RuntimeError as exc:
-        if world.world_size > 1 and is_communication_failure(exc):
-            raise SetupError(describe_communication_failure(world, exc, cfg.timeout_s)) from exc
-        raise
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        cleanup(init_url)
-
-
 def rendezvous_dir(cfg: Config) -> Path:
-    """Where `--init-method file` keeps its store file: under the output dir, which multi-node runs share."""
+    """Where `--init-method file` keeps its store file: under the output dir, which multi-node
+    runs share."""
     return Path(cfg.output_dir) / "rendezvous"
 
 
-def exit_process(code: int) -> NoReturn:
-    """End a training process without Python's interpreter shutdown.
+def build_data(cfg: Config, world: World, pin_memory: bool) -> tuple[Any, ...]:
+    """task.build_datasets, sharded into this rank's batches and loaders."""
+    train_set, val_set = task.build_datasets(cfg)
+    if len(train_set) == 0:
+        raise SetupError("task.build_datasets returned an empty training set", everywhere=True)
+    collate = getattr(task, "collate", None)
+    batches = ShardedBatchSampler(len(train_set), world.rank, world.world_size, cfg.batch_size,
+                                  cfg.seed)
+    loader = build_loader(train_set, batches, collate, cfg.num_workers, pin_memory)
+    val_batches = val_loader = None
+    if val_set is not None and len(val_set) > 0:
+        val_batches = validation_batches(len(val_set), world.rank, world.world_size,
+                                         cfg.batch_size, cfg.seed)
+        val_loader = build_loader(val_set, val_batches, collate, cfg.num_workers, pin_memory)
+    return batches, loader, val_batches, val_loader
 
-    torch keeps a process group used by DDP alive until the process ends, and gloo's worker threads
-    can let go of a tensor while the interpreter is being torn down. That aborts a run that finished
-    fine ("terminate called without an active exception", exit -6; torchrun then calls it a failure).
-    By now everything is saved and closed: flush the output and leave.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+
+def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device],
+             lifeline: Lifeline) -> dict:
+    """Everything after joining the process group: data, model, optimizer, Trainer."""
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    seed_everything(cfg.seed)  # the same data and the same initial model on every rank
+    batches, loader, val_batches, val_loader = build_data(cfg, world, devices[0].type == "cuda")
+    model = parallelize(task.build_model(cfg), cfg, devices, task, world.is_main)
+    steps_per_epoch = math.ceil(batches.batches_per_epoch() / cfg.grad_accum)
+    total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
+    # fsdp on a GPU casts through its mixed-precision policy instead of autocast.
+    autocast = not (cfg.model_layout == "fsdp" and devices[0].type == "cuda")
+    optim = Optimization(model, cfg, devices[0], total_steps, autocast=autocast)
+    trainer = Trainer(cfg, world, task, model, optim, batches, loader, val_loader, val_batches,
+                      devices, backend, lifeline, STARTED_AT)
+    seed_everything(cfg.seed + world.rank)  # different random streams per rank from here on
+    trainer.resume()
+    return trainer.train()
+
+
+def run(cfg: Config, world: World) -> dict:
+    """Train as one process of `world`. The process group is always left, even on errors."""
+    lifeline = Lifeline(world.rank, cfg.timeout_s).start()  # signals count from here on
+    store = rdzv = None
+    try:
+        cuda_count = torch.cuda.device_count()
+        backend = resolve_backend(cfg.backend, cuda_count, dist.is_nccl_available())
+        devices = assign_devices(world.local_rank, world.local_world_size, cuda_count,
+                                 cfg.model_layout, cfg.stage_devices,
+                                 os.environ.get("CUDA_VISIBLE_DEVICES"))
+        rdzv = resolve_rendezvous(cfg.init_method, world, rendezvous_dir(cfg))
+        store = ddp_setup(world, backend, rdzv, cfg.timeout_s, devices, lifeline)
+        if world.is_main:
+            print(f"world: {world.world_size} process(es), launcher {world.launcher}, backend "
+                  f"{backend}, layout {cfg.model_layout}, rank 0 on "
+                  f"{', '.join(map(str, devices))}", flush=True)
+        peers = PeerErrors(store, world.rank, world.world_size)
+        try:
+            return train_on(cfg, world, backend, devices, lifeline)
+        except SetupError as exc:
+            if not (exc.quiet or exc.everywhere):
+                peers.record(str(exc))  # this rank's own problem: tell the others why
+            raise
+        except Exception as exc:
+            if world.world_size > 1 and is_communication_failure(exc):
+                raise peers.explain(exc, cfg.timeout_s) from exc
+            peers.record(f"{type(exc).__name__}: {exc}".splitlines()[0])
+            raise
+    finally:
+        lifeline.close()
+        cleanup(store, rdzv)
+
+
+def run_and_report(cfg: Config, world: World) -> int:
+    """`run`, with every failure turned into an exit code (the process then ends through
+    `exit_process`)."""
+    try:
+        run(cfg, world)
+    except SetupError as exc:
+        report_error(exc, world.local_rank)
+        return 1
+    except Exception:
+        traceback.print_exc()  # a bug, not a known failure: the whole story
+        return 1
+    return 0
 
 
 def _spawn_worker(index: int, cfg: Config, nprocs: int, port: int, run_id: str) -> None:
     world = World(rank=index, local_rank=index, world_size=nprocs, local_world_size=nprocs,
                   launcher="spawn", master_addr="127.0.0.1", master_port=port, run_id=run_id)
-    try:
-        run(cfg, world)
-    except SetupError as exc:
-        report_error(exc)
-        exit_process(1)
-    exit_process(0)
+    exit_process(run_and_report(cfg, world))
 
 
 def spawn(cfg: Config) -> int:
-    """Start `cfg.nprocs` processes on this machine. A free port is picked here, so parallel runs don't
-    collide; if one child fails, the others are stopped and the run exits non-zero."""
+    """Start `cfg.nprocs` processes on this machine. A free port is picked here, so parallel runs
+    don't collide; if one child fails, the others are stopped and the run exits non-zero."""
     port = find_free_port()
     run_id = f"spawn-{uuid.uuid4().hex[:8]}"
     # Check --init-method once here (a stale file, a bad URL) rather than once per child.
-    resolve_init_method(cfg.init_method, World(0, 0, cfg.nprocs, cfg.nprocs, "spawn", "127.0.0.1", port, run_id),
-                        rendezvous_dir(cfg))
+    resolve_rendezvous(cfg.init_method, World(0, 0, cfg.nprocs, cfg.nprocs, "spawn", "127.0.0.1",
+                                              port, run_id), rendezvous_dir(cfg))
+    context = mp.start_processes(_spawn_worker, args=(cfg, cfg.nprocs, port, run_id),
+                                 nprocs=cfg.nprocs, join=False, start_method="spawn")
+
+    def forward(signum: int, frame: Any) -> None:  # the workers stop, save and exit themselves
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
     try:
-        mp.start_processes(_spawn_worker, args=(cfg, cfg.nprocs, port, run_id), nprocs=cfg.nprocs,
-                           start_method="spawn")
+        while not context.join():
+            pass
     except mp.ProcessExitedException as exc:
-        how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
+        how = (f"was killed by {exc.signal_name}" if exc.signal_name
+               else f"exited with code {exc.exit_code}")
         # Exit code 1 is a worker that already printed its own `error:` line.
         report_error(SetupError(f"worker {exc.error_index} {how}; the other workers were stopped",
                                 quiet=exc.exit_code == 1))
         return 1
-    except mp.ProcessRaisedException as exc:
-        sys.stderr.write(f"{exc}\n")  # the child's traceback
-        report_error(SetupError(f"worker {exc.error_index} failed: {str(exc).strip().splitlines()[-1]}"))
-        return 1
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
 
 
@@ -154,11 +178,15 @@ def main(argv: list[str] | None = None) -> int:
         world = resolve_world(local_rank_flag=cfg.local_rank)
         if cfg.nprocs > 1:
             if world.launcher != "none":
-                raise SetupError(f"--nprocs starts processes itself, but this one was started by {world.launcher}; "
-                                 "drop --nprocs (the launcher sets the process count)")
+                raise SetupError(f"--nprocs starts processes itself, but this one was started by "
+                                 f"{world.launcher}; drop --nprocs (the launcher sets the process "
+                                 "count)", everywhere=True)
             return spawn(cfg)
-        run(cfg, world)
     except SetupError as exc:
         report_error(exc)
         return 1
-    return 0
+    return run_and_report(cfg, world)
+
+
+if __name__ == "__main__":
+    exit_process(main())

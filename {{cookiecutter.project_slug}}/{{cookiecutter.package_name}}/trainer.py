@@ -1,17 +1,16 @@
-"""The training loop: `_run_batch` -> `_run_epoch` -> `train`, plus checkpoints and logging.
+"""The training loop: `_run_batch` -> `_run_epoch` -> `train`, plus `_save_snapshot` and `resume`.
 
-Per step it does what a hand-written DDP loop does and nothing more: the loss stays on the device and
-is only averaged across ranks (one all_reduce, one host sync) every `--log-every` steps.
+Per step it does what a hand-written DDP loop does and nothing more: the loss stays on the device
+and is averaged across ranks (one all_reduce, one host sync) only every --log-every steps, where
+the ranks also agree on stopping. What the model is and how its loss and metrics are computed comes
+from task.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import random
 import signal
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -19,385 +18,449 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
+from torch.distributed.checkpoint.api import CheckpointException
 
-from .checkpoint import load_checkpoint, load_for_resume, save_checkpoint
+from . import sharded
+from .checkpoint import CheckpointDir, Staging, checkpoint_path, load_checkpoint, read_meta
 from .config import Config
-from .data import InMemoryLoader, TensorPairDataset, eval_shard
-from .distributed import SetupError, World
-from .metrics import MetricsWriter
-
-AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
-    """Multiplier of the peak LR at a step: linear warm-up, then constant or cosine decay to 0."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"].cpu())  # RNG states must be CPU byte tensors
-    random.setstate(state["python"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+from .data import ShardedBatchSampler, move_to
+from .environments import World
+from .failures import SetupError
+from .lifeline import Lifeline
+from .metrics import MetricsWriter, Progress, StepClock, peak_memory_mb
+from .optim import Optimization
+from .parallel import set_gradient_sync, unwrap
+from .resume import (
+    agree,
+    check_same_shapes,
+    config_differences,
+    gather_rng_states,
+    pick_checkpoint,
+    unpack_rng_state,
+)
 
 
 class Trainer:
-    def __init__(self, cfg: Config, world: World, model: nn.Module, loader: InMemoryLoader | DataLoader,
-                 devices: list[torch.device], backend: str, val_set: TensorPairDataset | None = None,
-                 started_at: float | None = None) -> None:
-        self.cfg, self.world, self.loader, self.backend = cfg, world, loader, backend
-        self.val_set = val_set
-        self.started_at = time.time() if started_at is None else started_at  # for time to first step
-        self.input_device, self.output_device = devices[0], devices[-1]
-        self.raw_model = model
-        # A model spread over two devices (or on CPU) is wrapped without device_ids.
-        single_cuda = len(set(devices)) == 1 and devices[0].type == "cuda"
-        self.model: nn.Module = DDP(
-            model,
-            device_ids=[devices[0]] if single_cuda else None,
-            find_unused_parameters=cfg.find_unused_parameters,
-        )
-        if cfg.compile:
-            if not getattr(torch._dynamo, "is_dynamo_supported", lambda: True)():
-                raise SetupError(f"--compile: torch.compile does not support Python {sys.version.split()[0]} on "
-                                 f"{sys.platform} with PyTorch {torch.__version__}; run without --compile",
-                                 quiet=not world.is_main)
-            self.model = torch.compile(self.model)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        steps_per_epoch = math.ceil(loader.sampler.batches_per_epoch() / cfg.grad_accum)
-        total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
-        self.amp_dtype = AMP_DTYPES[cfg.precision]
-        if cfg.precision == "fp16" and self.input_device.type != "cuda":
-            raise SetupError("--precision fp16 needs CUDA (it relies on a GradScaler); use --precision bf16 on CPU",
-                             quiet=not world.is_main)  # every rank finds the same: say it once
-        self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16")
+    def __init__(self, cfg: Config, world: World, task: Any, model: nn.Module,
+                 optim: Optimization, batches: ShardedBatchSampler, loader: Any,
+                 val_loader: Any | None, val_batches: Any | None, devices: list[torch.device], backend: str,
+                 lifeline: Lifeline, started_at: float) -> None:
+        self.cfg, self.world, self.task, self.model, self.optim = cfg, world, task, model, optim
+        self.batches, self.loader, self.val_loader = batches, loader, val_loader
+        self.val_batches = val_batches
+        self.device, self.backend, self.lifeline = devices[0], backend, lifeline
+        self.started_at = started_at  # process start: for "time to first step"
+        self.raw = unwrap(model)
+        # Collectives of our own (not DDP's) run on the backend's device: CUDA for NCCL.
+        self.comm_device = self.device if backend == "nccl" else torch.device("cpu")
+        self.sharded = cfg.model_layout == "fsdp"
+        self.ckpt_dir = CheckpointDir(cfg.checkpoint_dir, cfg.keep_last) if world.is_main else None
+        self.staging = Staging() if cfg.async_save else None
+        self.dcp = (sharded.ShardedCheckpoints(self.ckpt_dir, cfg.checkpoint_dir, cfg.async_save,
+                                               self.comm_device) if self.sharded else None)
+        self.progress = Progress(cfg.progress and world.is_main)
+        self.clock = StepClock(self.device, cuda_events=bool(cfg.step_times))
 
-        # Position: the epoch being trained, the batches of it already done, optimizer steps in total.
+        # Position: the epoch being trained, the batches of it already done, optimizer steps.
         self.epoch, self.batch_in_epoch, self.step = 0, 0, 0
         self.resumed_from: str | None = None
         self.last_loss: float | None = None
-        self._saved_step = -1
-        self._loss_sum = torch.zeros((), device=self.output_device)
-        self._loss_count = 0
-        self._samples = 0  # samples this rank has trained on since the last log
-        self._samples_total = 0
-        # Preemption: a signal handler sets `stop_signal`; the ranks agree to stop at the next log step,
-        # where the flag rides along with the loss all_reduce, so stopping costs no extra collective.
-        self.stop_signal: int | None = None
+        self.val_metrics: dict[str, float] = {}
+        self.tracker_run_id: str | None = None
         self.stopped_by: str | None = None
-        self.val_loss: float | None = None
-        self._step_ends: list[float] = []  # perf_counter after each optimizer step, for the step-time report
-        # On a GPU the host clock only sees kernel launches; --step-times also records a CUDA event per step.
-        want_events = bool(cfg.step_times) and self.output_device.type == "cuda"
-        self._step_events: list[torch.cuda.Event] | None = [] if want_events else None
+        self._saved_step = -1
+        self._set_aside = False  # other runs' checkpoints moved out of the folder yet?
+        self._stalls_ms: list[float] = []  # how long training stood still for each save
+        self._loss_sum = torch.zeros((), device=self.device)
+        self._loss_count = 0
+        self._samples = 0  # samples this rank trained on since the last log
+        self._samples_total = 0
         self._first_step_s: float | None = None
-        self._save_ms: list[float] = []
+        self._checked_loss = False
+        self._memory = (0.0, 0.0)
 
     # ---------------------------------------------------------------- resume
     def resume(self) -> None:
-        """Apply `--resume`. Rank 0 chooses the checkpoint and every rank loads that same file."""
-        choice: list[Any] = [None]
-        loaded = None
-        if self.world.is_main:
-            try:
-                loaded = load_for_resume(self.cfg.resume, self.cfg.checkpoint_dir, self.input_device)
-                choice[0] = ("ok", str(loaded[0]) if loaded else None)
-            except SetupError as exc:
-                choice[0] = ("error", str(exc))  # tell the other ranks instead of leaving them waiting
-        dist.broadcast_object_list(choice, src=0)
-        status, value = choice[0]
-        if status == "error":
-            raise SetupError(value, quiet=not self.world.is_main)
-        if value is None:
+        """Apply --resume: rank 0 takes the checkpoint folder and chooses; every rank loads."""
+        with self.lifeline.waiting("rank 0 to open --checkpoint-dir and choose a checkpoint",
+                                   "check that rank 0 is alive and its storage answers"):
+            choice = agree(self._open_and_pick, self.comm_device)
+        if choice is None:
             return
-        # Load onto this rank's own device: tensors saved from cuda:0 must not all land on cuda:0.
-        state = loaded[1] if loaded else load_checkpoint(value, map_location=self.input_device)
-        self._restore(state)
-        self.resumed_from = value
+        path = Path(choice)
+        try:
+            meta = self._load(path)
+        except SetupError:
+            raise
+        except (Exception, CheckpointException) as exc:  # its metadata read, but not all loads
+            raise SetupError(f"cannot load checkpoint {path} ({type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[0] if str(exc) else ''}); use "
+                             "--resume with an older one, or --resume never", everywhere=True) from exc
+        self._restore_position(meta, path)
+        self.resumed_from = str(path)
         self._saved_step = self.step
         if self.world.is_main:
-            print(f"resumed from {value} (epoch {self.epoch}, batch {self.batch_in_epoch}, step {self.step})",
-                  flush=True)
+            print(f"resumed from {path} (epoch {self.epoch}, batch {self.batch_in_epoch}, step "
+                  f"{self.step})", flush=True)
+            changed = config_differences(meta.get("config", {}), self.cfg.to_dict())
+            if changed:
+                print(f"note: settings that differ from the checkpoint's run: {'; '.join(changed)}",
+                      flush=True)
 
-    def _restore(self, state: dict[str, Any]) -> None:
-        self.raw_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.epoch, self.batch_in_epoch, self.step = state["epoch"], state["batch_in_epoch"], state["step"]
-        self.last_loss = state.get("last_loss")
-        same_layout = (state["world_size"], state["batch_size"]) == (self.world.world_size, self.cfg.batch_size)
-        if same_layout:
-            _set_rng_state(state["rng"][self.world.rank], self.input_device)  # bit-for-bit continuation
-        elif self.batch_in_epoch:
-            # Other shards and batch sizes: continue after the same number of samples of this epoch.
-            samples_done = state["samples_in_epoch"]
-            per_batch = self.cfg.batch_size * self.world.world_size
-            self.batch_in_epoch = samples_done // per_batch // self.cfg.grad_accum * self.cfg.grad_accum
+    def _open_and_pick(self) -> str | None:
+        self.ckpt_dir.open()
+        path = pick_checkpoint(self.cfg.resume, self.cfg.checkpoint_dir)
+        return None if path is None else str(path)
+
+    def _load(self, path: Path) -> dict[str, Any]:
+        if path.is_dir():
+            meta = read_meta(path)
+            rng = sharded.load(path, self.raw, self.optim.optimizer)
+        else:
+            state = load_checkpoint(path, map_location="cpu")
+            check_same_shapes(self.raw.state_dict(), state["model"], path)
+            sharded.set_full_state(self.raw, self.optim.optimizer, state["model"],
+                                   state["optimizer"])
+            meta, rng = state, state.get("rng")
+        self.optim.load_state_dict(meta["optim"])
+        self.last_loss = meta.get("last_loss")
+        self.tracker_run_id = meta.get("tracker_run_id")
+        same_world = (meta["world_size"], meta["batch_size"]) == (self.world.world_size,
+                                                                  self.cfg.batch_size)
+        if same_world and rng is not None:
+            unpack_rng_state(rng[self.world.rank], self.device)  # bit-for-bit continuation
+        return meta
+
+    def _restore_position(self, meta: dict[str, Any], path: Path) -> None:
+        self.epoch, self.batch_in_epoch, self.step = (meta["epoch"], meta["batch_in_epoch"],
+                                                      meta["step"])
+        per_batch = self.cfg.batch_size * self.world.world_size
+        if (meta["world_size"], meta["batch_size"]) != (self.world.world_size, self.cfg.batch_size):
+            # Other shards and batch sizes: continue after the same number of samples.
+            seen = meta["samples_in_epoch"]
+            accum = self.cfg.grad_accum
+            self.batch_in_epoch = seen // per_batch // accum * accum
+            if self.world.is_main and self.batch_in_epoch:
+                print(f"warning: checkpoint is from {meta['world_size']} processes x batch "
+                      f"{meta['batch_size']}; continuing epoch {self.epoch} after "
+                      f"{self.batch_in_epoch * per_batch} of the {seen} samples already seen "
+                      "(exact resume needs the same world and batch size)", file=sys.stderr,
+                      flush=True)
+        if self.batch_in_epoch >= self.batches.batches_per_epoch():
+            # The data shrank since the checkpoint: this epoch is already done.
             if self.world.is_main:
-                print(f"warning: checkpoint is from {state['world_size']} processes x batch {state['batch_size']}; "
-                      f"continuing epoch {self.epoch} after {self.batch_in_epoch * per_batch} of the "
-                      f"{samples_done} samples already seen (exact resume needs the same world and batch size)",
-                      file=sys.stderr, flush=True)
+                print(f"warning: {path.name} is {self.batch_in_epoch} batches into epoch "
+                      f"{self.epoch}, which now has {self.batches.batches_per_epoch()}; going on "
+                      f"with epoch {self.epoch + 1}", file=sys.stderr, flush=True)
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
 
     # ---------------------------------------------------------------- checkpoints
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "samples_in_epoch": self.batch_in_epoch * self.cfg.batch_size * self.world.world_size,
+            "step": self.step,
+            "world_size": self.world.world_size,
+            "batch_size": self.cfg.batch_size,
+            "grad_accum": self.cfg.grad_accum,
+            "last_loss": self.last_loss,
+            "optim": self.optim.state_dict(),
+            "tracker_run_id": self.tracker_run_id,
+            "config": self.cfg.to_dict(),
+        }
+
     def _save_snapshot(self) -> None:
-        """Every rank hands its RNG state to rank 0, rank 0 writes, and nobody goes on before it is done."""
+        """Every rank's random state goes into the checkpoint; rank 0 writes it (fsdp: every rank
+        writes its shards), and every rank learns whether that worked before going on."""
         started = time.perf_counter()
-        rng_states: list[Any] = [None] * self.world.world_size
-        dist.all_gather_object(rng_states, _rng_state(self.input_device))
-        if self.world.is_main:
-            state = {
-                "model": self.raw_model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-                "epoch": self.epoch,
-                "batch_in_epoch": self.batch_in_epoch,
-                "samples_in_epoch": self.batch_in_epoch * self.cfg.batch_size * self.world.world_size,
-                "step": self.step,
-                "world_size": self.world.world_size,
-                "batch_size": self.cfg.batch_size,
-                "grad_accum": self.cfg.grad_accum,
-                "last_loss": self.last_loss,
-                "rng": rng_states,
-                "config": self.cfg.to_dict(),
-            }
-            save_checkpoint(state, self.cfg.checkpoint_dir, self.step, self.cfg.keep_last)
-        dist.barrier()
+        rng = gather_rng_states(self.device, self.comm_device)
+        meta = self._meta()
+        if self.dcp is not None:
+            self.dcp.save(self.raw, self.optim.optimizer, rng, meta, self.step,
+                          self._prepare_folder)
+        else:
+            agree(lambda: self._write_file(rng, meta), self.comm_device)
         self._saved_step = self.step
-        self._save_ms.append(1000 * (time.perf_counter() - started))  # how long training stood still
+        self._stalls_ms.append(1000 * (time.perf_counter() - started))
+
+    def _prepare_folder(self) -> None:
+        """Rank 0, before this run's first save: other runs' checkpoints move aside."""
+        if not self._set_aside:
+            moved = self.ckpt_dir.set_aside(Path(self.resumed_from) if self.resumed_from else None)
+            if moved:
+                print(f"note: moved checkpoints of another run (or later than the one resumed) "
+                      f"to {moved}", flush=True)
+            self._set_aside = True
+
+    def _write_file(self, rng: torch.Tensor, meta: dict[str, Any]) -> None:
+        self._prepare_folder()
+        state = {"model": self.raw.state_dict(), "optimizer": self.optim.optimizer.state_dict(),
+                 "rng": rng, **meta}
+        if self.staging is None:
+            self.ckpt_dir.save_file(state, self.step)
+            return
+        self.ckpt_dir.wait()  # the staging buffers are free again only after the previous save
+        snapshot = self.staging.copy(state)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        step = self.step
+        self.ckpt_dir.in_background(lambda: self.ckpt_dir.save_file(snapshot, step))
+
+    def _finish_saves(self) -> None:
+        """Wait for a background save (and learn its outcome) before the process ends."""
+        if self.dcp is not None:
+            self.dcp.wait()
+        elif self.cfg.async_save:
+            agree(lambda: self.ckpt_dir.wait(), self.comm_device)
 
     # ---------------------------------------------------------------- training
-    def _run_batch(self, x: torch.Tensor, y: torch.Tensor, sync: bool, weight: float = 1.0) -> torch.Tensor:
-        """Forward and backward of one micro-batch; gradients are all-reduced only when `sync`.
-
-        `weight` is this micro-batch's share of the samples of its accumulation group, so K accumulated
-        micro-batches give the gradient of one K-times-larger batch (a short last group included).
-        """
-        # no_sync must cover the backward too: that is where DDP's all-reduce hooks fire.
-        with self.model.no_sync() if not sync else contextlib.nullcontext():
-            with self._autocast():
-                out = self.model(x)
-            loss = F.mse_loss(out.float(), y)
-            self.scaler.scale(loss if weight == 1.0 else loss * weight).backward()
+    def _run_batch(self, batch: Any, weight: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch. `weight` is its share of the samples of its
+        accumulation group, so K accumulated micro-batches give the gradient of one K-times
+        larger batch (a short last group included)."""
+        with self.optim.autocast():
+            loss = self.task.loss_fn(self.model, batch)
+        if not self._checked_loss:
+            self._check_loss(loss)
+        self.optim.backward(loss if weight == 1.0 else loss * weight)
         return loss.detach()
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        # In fp32 skip autocast altogether: even a disabled autocast costs a few microseconds a step.
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.input_device.type, dtype=self.amp_dtype)
-
-    def _optimizer_step(self) -> None:
-        if self.cfg.clip_grad > 0:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.clip_grad)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+    def _check_loss(self, loss: Any) -> None:
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise SetupError(f"task.loss_fn must return the batch's mean loss as a scalar tensor "
+                             f"that requires grad; it returned {shape}", everywhere=True)
+        self._checked_loss = True
 
     def _agreed_batch_count(self) -> int:
-        """The batches every rank will run this epoch: the smallest count of any rank. Our sampler pads
-        shards to equal length; a custom one may not, and one rank waiting for a step the others never
-        take is a hang."""
-        count = torch.tensor([self.loader.sampler.batches_per_epoch()], device=self.output_device)
+        """The batches every rank will run this epoch: the smallest count of any rank. Our sampler
+        pads shards to equal length; a custom one may not, and a rank waiting for a step the others
+        never take is a hang."""
+        count = torch.tensor([self.batches.batches_per_epoch()], device=self.comm_device)
         dist.all_reduce(count, op=dist.ReduceOp.MIN)  # once per epoch
         return int(count.item())
 
     def _run_epoch(self, epoch: int) -> None:
-        batch_sampler = self.loader.sampler
-        batch_sampler.set_epoch(epoch, self.batch_in_epoch)  # a new shuffle each epoch, on every rank
         total = self._agreed_batch_count()
-        accum, batch_size = self.cfg.grad_accum, self.cfg.batch_size
-        shard = len(batch_sampler.sampler)  # this rank's samples this epoch; the last batch may be short
-        bar = self._progress_bar(epoch, total)
-        for i, (x, y) in zip(range(self.batch_in_epoch, total), self.loader, strict=False):
-            x = x.to(self.input_device, non_blocking=True)
-            y = y.to(self.output_device, non_blocking=True)
+        self.batches.set_epoch(epoch, self.batch_in_epoch)  # a new shuffle each epoch, every rank
+        accum = self.cfg.grad_accum
+        self.progress.start(epoch, total, self.batch_in_epoch)
+        for i, batch in zip(range(self.batch_in_epoch, total), self.loader, strict=False):
+            batch = move_to(batch, self.device)
             group_start = i - i % accum
             group_end = min(group_start + accum, total)  # the last group of an epoch may be short
             last_in_group = i == group_end - 1
             weight = 1.0
             if accum > 1:
-                group_samples = min(group_end * batch_size, shard) - group_start * batch_size
-                weight = x.shape[0] / group_samples
-            self._loss_sum += self._run_batch(x, y, sync=last_in_group, weight=weight)
+                group = sum(self.batches.batch_len(j) for j in range(group_start, group_end))
+                weight = self.batches.batch_len(i) / group
+            if last_in_group:
+                loss = self._run_batch(batch, weight)
+            else:  # no exchange of gradients until the group's last micro-batch
+                with set_gradient_sync(self.model, False):
+                    loss = self._run_batch(batch, weight)
+            self._loss_sum += loss
             self._loss_count += 1
-            self._samples += x.shape[0]
-            self._samples_total += x.shape[0]
-            if bar is not None:
-                bar.update()
+            self._samples += self.batches.batch_len(i)
+            self.progress.update()
             if not last_in_group:
                 continue
-            self._optimizer_step()
+            self.optim.step()
             self.step += 1
             self.batch_in_epoch = i + 1
-            self._step_ends.append(time.perf_counter())
-            if self._step_events is not None:
-                self._step_events.append(torch.cuda.Event(enable_timing=True))
-                self._step_events[-1].record()
+            self.clock.tick()
             if self._first_step_s is None:
                 self._first_step_s = time.time() - self.started_at
+                self.lifeline.resume_hint = (f"resume continues from the newest checkpoint in "
+                                             f"{Path(self.cfg.checkpoint_dir).resolve()}")
             # _done() here means --max-steps was reached: the last step is always logged.
             if self.step % self.cfg.log_every == 0 or i + 1 == total or self._done():
-                self._log(epoch, bar)
+                self._log(epoch)
             if self._done():
                 break
-            if self.cfg.save_every_steps and self.step % self.cfg.save_every_steps == 0 and i + 1 < total:
+            if (self.cfg.save_every_steps and self.step % self.cfg.save_every_steps == 0
+                    and i + 1 < total):
                 self._save_snapshot()
-        if bar is not None:
-            bar.close()
+        self.progress.close()
         if self.batch_in_epoch == total:
             self.epoch, self.batch_in_epoch = epoch + 1, 0
             self._evaluate(epoch)
 
     @torch.no_grad()
     def _evaluate(self, epoch: int) -> None:
-        """Validation MSE over all ranks, each sample counted once: the single-process value up to rounding."""
-        if self.val_set is None:
+        """task.eval_metrics over the validation set, each sample counted once across ranks:
+        the single-process value up to rounding."""
+        if self.val_loader is None:
             return
-        indices = eval_shard(len(self.val_set), self.world.rank, self.world.world_size)
-        totals = torch.zeros(2, dtype=torch.float64, device=self.output_device)  # squared error, count
-        self.raw_model.eval()
-        for chunk in indices.split(max(self.cfg.batch_size, 256)):
-            x, y = self.val_set[chunk]
-            with self._autocast():
-                out = self.raw_model(x.to(self.input_device))
-            error = out.double() - y.to(self.output_device, torch.float64)
-            totals[0] += error.square().sum()
-            totals[1] += error.numel()
-        self.raw_model.train()
+        model = self.raw if not self.sharded else self.model
+        model.eval()
+        sums: dict[str, torch.Tensor] = {}
+        for j, batch in enumerate(self.val_loader):
+            with self.optim.autocast():
+                values = self.task.eval_metrics(model, move_to(batch, self.device))
+            if j >= self.val_batches.real:
+                continue  # padding: every rank runs as many forwards as the others (fsdp needs it)
+            for key, value in values.items():
+                value = torch.as_tensor(value).detach().to(self.comm_device, torch.float64)
+                sums[key] = sums[key] + value if key in sums else value
+        model.train()
+        if self.sharded:
+            model.reshard()  # a no-grad forward leaves the root's weights gathered
+        keys = sorted(self._metric_keys(sums))
+        totals = torch.stack([sums.get(k, torch.zeros((), dtype=torch.float64,
+                                                      device=self.comm_device)) for k in keys])
         dist.all_reduce(totals)
-        self.val_loss = (totals[0] / totals[1]).item()
-        self.metrics.log({"step": self.step, "epoch": epoch, "val_loss": self.val_loss})
+        total = dict(zip(keys, totals.tolist(), strict=True))
+        averages = {k: total[k] / max(total.get(f"{k}_count", total.get("count", 0)), 1e-300)
+                    for k in keys if k != "count" and not k.endswith("_count")}
+        if hasattr(self.task, "finalize_metrics"):
+            averages = self.task.finalize_metrics(averages)
+        self.val_metrics = {f"val_{k}": v for k, v in averages.items()}
+        self.metrics.log({"step": self.step, "epoch": epoch, **self.val_metrics})
         if self.world.is_main:
-            print(f"epoch {epoch} validation loss {self.val_loss:.5f}", flush=True)
+            shown = ", ".join(f"{k} {v:.5g}" for k, v in self.val_metrics.items())
+            print(f"epoch {epoch} validation: {shown}", flush=True)
+
+    def _metric_keys(self, sums: dict[str, torch.Tensor]) -> list[str]:
+        """The metric names; the same on every rank (a rank with only padding batches has none)."""
+        keys = list(sums) or list(getattr(self, "_eval_keys", []))
+        if sums and not hasattr(self, "_eval_keys"):
+            if "count" not in keys and not any(k.endswith("_count") for k in keys):
+                raise SetupError("task.eval_metrics must return per-batch sums and a 'count' (or "
+                                 "'<metric>_count'); it returned " + ", ".join(keys),
+                                 everywhere=True)
+            self._eval_keys = keys
+        return keys
 
     def _done(self) -> bool:
-        return (self.epoch >= self.cfg.epochs or bool(self.cfg.max_steps and self.step >= self.cfg.max_steps)
-                or self.stopped_by is not None)
+        return (self.epoch >= self.cfg.epochs or self.stopped_by is not None
+                or bool(self.cfg.max_steps and self.step >= self.cfg.max_steps))
 
-    def request_stop(self, signum: int, frame: Any = None) -> None:
-        """Signal handler (SIGTERM, SIGUSR1): stop at the next log step, checkpoint, exit cleanly."""
-        self.stop_signal = signum
-
-    def _log(self, epoch: int, bar: Any) -> None:
-        """Average the loss over ranks and steps since the last log, and agree on a stop request: the only
-        collective and host sync of the loop besides DDP's own."""
+    def _log(self, epoch: int) -> None:
+        """Average the loss over ranks and steps since the last log, gather peak memory and agree
+        on a stop request: the only collective and host sync of the loop besides DDP's own."""
         if self._loss_count == 0:
             return
-        extra = torch.tensor([float(self._loss_count), float(self.stop_signal is not None)], device=self.output_device)
-        stats = torch.cat([self._loss_sum.float().reshape(1), extra])
+        world, rank = self.world.world_size, self.world.rank
+        self._memory = peak_memory_mb(self.device)
+        stats = torch.zeros(3 + 2 * world, device=self.comm_device)
+        stats[0] = self._loss_sum.float().to(self.comm_device)
+        stats[1] = self._loss_count
+        stats[2] = float(self.lifeline.stop_signal is not None)
+        stats[3 + rank], stats[3 + world + rank] = self._memory  # one slot per rank: a gather
         dist.all_reduce(stats)
-        loss = (stats[0] / stats[1]).item()
-        if stats[2].item() > 0:  # some rank was asked to stop: every rank stops after this step
-            self.stopped_by = signal.Signals(self.stop_signal).name if self.stop_signal else "another rank's signal"
+        values = stats.tolist()
+        loss = values[0] / values[1]
+        if not math.isfinite(loss):
+            newest = checkpoint_path(self.cfg.checkpoint_dir, self._saved_step, self.sharded)
+            where = f"the newest good checkpoint is {newest}" if self._saved_step >= 0 else \
+                "no checkpoint was saved yet"
+            raise SetupError(f"the loss became {loss} by step {self.step}; {where}; lower --lr, "
+                             "use --clip-grad, or check the data", everywhere=True)
+        if values[2] > 0:  # some rank was asked to stop: every rank stops after this step
+            signum = self.lifeline.stop_signal
+            self.stopped_by = signal.Signals(signum).name if signum else "another rank's signal"
         now = time.perf_counter()
-        samples_per_s = self._samples * self.world.world_size / max(now - self._last_log_time, 1e-9)
+        samples_per_s = self._samples * world / max(now - self._last_log_time, 1e-9)
         self.last_loss = loss
+        self._samples_total += self._samples
         self._loss_sum.zero_()
         self._loss_count, self._samples, self._last_log_time = 0, 0, now
-        record = {"step": self.step, "epoch": epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
-                  "samples_per_s": round(samples_per_s, 1), "time_s": round(now - self._start_time, 3)}
+        self._peak_mb = [round(v, 1) for v in values[3:3 + world]]
+        record = {"step": self.step, "epoch": epoch, "loss": loss, "lr": self.optim.lr(),
+                  "samples_per_s": round(samples_per_s, 1), "time_s": round(now - self._start, 3),
+                  "peak_mem_mb": self._peak_mb}
+        if self.device.type == "cuda":
+            record["peak_reserved_mb"] = [round(v, 1) for v in values[3 + world:]]
         self.metrics.log(record)
-        if bar is not None:
-            bar.set_postfix(loss=f"{loss:.4f}")
-        elif self.world.is_main:
-            print(f"epoch {epoch} step {self.step} loss {loss:.5f} samples/s {samples_per_s:.0f}", flush=True)
-
-    def _progress_bar(self, epoch: int, total: int):
-        if not (self.cfg.progress and self.world.is_main):
-            return None
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return None
-        return tqdm(total=total, initial=self.batch_in_epoch, desc=f"epoch {epoch}", file=sys.stderr,
-                    dynamic_ncols=True, leave=False)
-
-    def _write_step_times(self, path: Path) -> None:
-        """Wall-clock end of every step (and on a GPU each step's time between CUDA events), as JSON."""
-        to_wall = time.time() - time.perf_counter()
-        report: dict[str, Any] = {"started_at": self.started_at, "step_ends": [t + to_wall for t in self._step_ends]}
-        if self._step_events:
-            torch.cuda.synchronize(self.output_device)
-            events = self._step_events
-            report["cuda_step_ms"] = [a.elapsed_time(b) for a, b in zip(events, events[1:], strict=False)]
-        path.write_text(json.dumps(report))
+        if not self.progress.show(f"loss={loss:.4f}") and self.world.is_main:
+            print(f"epoch {epoch} step {self.step} loss {loss:.5f} samples/s {samples_per_s:.0f}",
+                  flush=True)
 
     def train(self) -> dict[str, Any]:
-        """Train until --epochs (or --max-steps), saving as configured; returns the run summary."""
-        self.metrics = MetricsWriter(self.cfg.output_dir, self.world.is_main, self.cfg.tracker,
-                                     append=self.resumed_from is not None)
-        self._start_time = self._last_log_time = time.perf_counter()
+        """Train until --epochs (or --max-steps), saving as configured; returns the summary."""
+        with self.lifeline.waiting("rank 0 to start the metrics and tracker",
+                                   "check rank 0's output"):
+            agree(self._open_metrics, self.comm_device)
+        if not self.world.is_main:
+            self.metrics = MetricsWriter(self.cfg.output_dir, False)
+        warmup_note(self.cfg, self.optim, self.world.is_main)
+        self._start = self._last_log_time = time.perf_counter()
+        self.lifeline.phase = "training"
         try:
             while not self._done():
                 self._run_epoch(self.epoch)
                 at_epoch_end = self.batch_in_epoch == 0
                 if at_epoch_end and self.cfg.save_every and self.epoch % self.cfg.save_every == 0:
                     self._save_snapshot()
+            self.lifeline.phase = "finishing"
             if self.step != self._saved_step:
                 self._save_snapshot()
+            self._finish_saves()
             if self.stopped_by is not None:
                 if self.world.is_main:
                     print(f"stopped by {self.stopped_by} at step {self.step}: checkpoint saved in "
-                          f"{Path(self.cfg.checkpoint_dir).resolve()}; run the same command to resume", flush=True)
+                          f"{Path(self.cfg.checkpoint_dir).resolve()}; run the same command to "
+                          "resume", flush=True)
                 return {"stopped_by": self.stopped_by, "steps": self.step}
-            wall = time.perf_counter() - self._start_time
-            step_ms = [1000 * (b - a) for a, b in zip(self._step_ends, self._step_ends[1:], strict=False)]
-            if len(step_ms) > 40:
-                step_ms = step_ms[20:]  # the first steps warm up allocators and DDP's buckets
-            summary = {
-                "world_size": self.world.world_size,
-                "backend": self.backend,
-                "launcher": self.world.launcher,
-                "epochs_completed": self.epoch,
-                "steps": self.step,
-                "final_loss": self.last_loss,
-                # Every rank trains on the same number of samples (the sampler pads), so this is exact.
-                "samples_per_s": round(self._samples_total * self.world.world_size / max(wall, 1e-9), 1),
-                "median_step_ms": round(statistics.median(step_ms), 3) if step_ms else None,
-                "p90_step_ms": round(statistics.quantiles(step_ms, n=10)[-1], 3) if len(step_ms) > 1 else None,
-                "checkpoint_save_ms": round(statistics.median(self._save_ms), 1) if self._save_ms else None,
-                "time_to_first_step_s": round(self._first_step_s, 3) if self._first_step_s is not None else None,
-                "val_loss": self.val_loss,
-                "wall_time_s": round(wall, 3),
-                "resumed_from": self.resumed_from,
-                "checkpoint_dir": str(Path(self.cfg.checkpoint_dir)),
-            }
-            path = self.metrics.write_summary(summary)
+            summary = self._summary()
+            path = self.metrics.write_json("summary.json", summary)
             if self.cfg.step_times and self.world.is_main:
-                self._write_step_times(Path(self.cfg.step_times))
+                Path(self.cfg.step_times).write_text(json.dumps(self.clock.report(self.started_at)))
         finally:
             self.metrics.close()
+            self.progress.close()
+            if self.ckpt_dir is not None:
+                self.ckpt_dir.close()
         if self.world.is_main:
-            print(f"throughput: {summary['samples_per_s']:.0f} samples/s, median step {summary['median_step_ms']} ms, "
-                  f"first step {summary['time_to_first_step_s']} s after start", flush=True)
+            print(f"throughput: {summary['samples_per_s']:.0f} samples/s, median step "
+                  f"{summary['median_step_ms']} ms, first step "
+                  f"{summary['time_to_first_step_s']} s after start", flush=True)
             print(f"done: {self.step} steps, final loss {self.last_loss:.5f}\n"
-                  f"checkpoints: {Path(self.cfg.checkpoint_dir).resolve()}\nsummary: {path.resolve()}", flush=True)
+                  f"checkpoints: {Path(self.cfg.checkpoint_dir).resolve()}\n"
+                  f"summary: {path.resolve()}", flush=True)
         return summary
+
+    def _open_metrics(self) -> None:
+        self.metrics = MetricsWriter(self.cfg.output_dir, True, self.cfg.tracker,
+                                     append=self.resumed_from is not None,
+                                     config=self.cfg.to_dict(), tracker_run_id=self.tracker_run_id)
+        if self.metrics.tracker is not None:
+            self.tracker_run_id = self.metrics.tracker.run_id
+        self.metrics.write_json("config.json", self.cfg.to_dict())
+
+    def _summary(self) -> dict[str, Any]:
+        wall = time.perf_counter() - self._start
+        stalls = sorted(self._stalls_ms)
+        return {
+            "world_size": self.world.world_size,
+            "backend": self.backend,
+            "launcher": self.world.launcher,
+            "model_layout": self.cfg.model_layout,
+            "epochs_completed": self.epoch,
+            "steps": self.step,
+            "final_loss": self.last_loss,
+            # Every rank trains on the same number of samples (the sampler pads): exact.
+            "samples_per_s": round(self._samples_total * self.world.world_size / max(wall, 1e-9),
+                                   1),
+            **self.clock.summary(),
+            "checkpoint_stall_ms": round(stalls[len(stalls) // 2], 1) if stalls else None,
+            "checkpoint_stall_ms_max": round(stalls[-1], 1) if stalls else None,
+            "checkpoint_saves": len(stalls),
+            "async_save": self.cfg.async_save,
+            "time_to_first_step_s": round(self._first_step_s, 3) if self._first_step_s else None,
+            "peak_mem_mb": getattr(self, "_peak_mb", None),
+            **self.val_metrics,
+            "wall_time_s": round(wall, 3),
+            "resumed_from": self.resumed_from,
+            "checkpoint_dir": str(Path(self.cfg.checkpoint_dir)),
+        }
+
+
+def warmup_note(cfg: Config, optim: Optimization, is_main: bool) -> None:
+    total = optim.total_steps
+    if cfg.warmup_steps > total and is_main:
+        print(f"warning: --warmup-steps {cfg.warmup_steps} is longer than the run ({total} "
+              "steps): the learning rate never reaches --lr", file=sys.stderr, flush=True)

@@ -1,0 +1,51 @@
+"""Tests of the example task in task.py: an MLP regressing one number from 20 features.
+
+They check this example learns and that its file format works. When you replace task.py with your
+own task, replace these with tests of yours; every other test of the project keeps working.
+"""
+
+from __future__ import annotations
+
+import torch
+from conftest import ok, read_metrics, torchrun
+
+from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.config import parse_args
+
+
+def test_learns_far_better_than_predicting_the_mean(workdir):
+    ok(torchrun(["--dataset-size", "1024", "--batch-size", "16", "--epochs", "3"], workdir))
+    losses = [m["loss"] for m in read_metrics(workdir / "runs/latest")]
+    assert losses[-1] < 0.5 * losses[0], "the training loss did not fall"
+    _, val = task.build_datasets(parse_args(["--dataset-size", "1024"]))
+    chance = val.tensors[1].var().item()  # the mean squared error of always predicting the mean
+    final = read_metrics(workdir / "runs/latest", "val_loss")[-1]
+    assert final["val_loss"] < 0.3 * chance and final["val_mae"] > 0
+
+
+def write_csv(path, rows: int, columns: int = task.IN_FEATURES + 1) -> None:
+    data = task.synthetic_regression(rows, seed=5)
+    lines = [",".join(f"{v:.6f}" for v in [*x.tolist(), *y.tolist()][:columns])
+             for x, y in zip(*data.tensors, strict=True)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_csv_rows_are_read_one_at_a_time_by_worker_processes(workdir):
+    write_csv(workdir / "train.csv", 600)
+    ok(torchrun(["--data", "train.csv", "--num-workers", "2", "--epochs", "3", "--batch-size",
+                 "16"], workdir))
+    losses = [m["loss"] for m in read_metrics(workdir / "runs/latest")]
+    assert losses[-1] < 0.7 * losses[0]
+    assert read_metrics(workdir / "runs/latest", "val_loss")[-1]["epoch"] == 2
+    rows = task.CsvRows(workdir / "train.csv")
+    x, y = rows[3]
+    assert x.shape == (task.IN_FEATURES,) and y.shape == (1,)
+    assert torch.allclose(x, task.synthetic_regression(600, seed=5).tensors[0][3], atol=1e-5)
+
+
+def test_csv_with_the_wrong_number_of_columns_is_one_error_line(workdir):
+    write_csv(workdir / "bad.csv", 50, columns=7)
+    result = torchrun(["--data", "bad.csv", "--epochs", "1"], workdir)
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr
+    assert "line 1 has 7 columns; this model reads 20 features and a target" in errors[0]

@@ -1,0 +1,112 @@
+"""The command line and config files: every documented flag, values checked before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import ok, one_error, python_train, summary
+
+from {{ cookiecutter.package_name }}.config import build_parser, parse_args
+
+SPEC_FLAGS = [
+    "--epochs", "--batch-size", "--lr", "--seed", "--dataset-size", "--data", "--num-workers",
+    "--backend", "--init-method", "--timeout-s", "--checkpoint-dir", "--save-every",
+    "--save-every-steps", "--keep-last", "--resume", "--precision", "--grad-accum", "--clip-grad",
+    "--max-steps", "--log-every", "--output-dir", "--nprocs", "--no-progress", "--compile",
+    "--find-unused-parameters", "--local-rank", "--local_rank", "--stage-devices", "--async-save",
+    "--config", "--model-layout", "--tracker", "--profile-steps",
+]
+
+
+def test_help_documents_every_flag():
+    text = build_parser().format_help()
+    assert [flag for flag in SPEC_FLAGS if flag not in text] == []
+
+
+def test_both_local_rank_spellings():
+    assert parse_args(["--local-rank=1"]).local_rank == 1
+    assert parse_args(["--local_rank", "2"]).local_rank == 2
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--epochs", "0"], "--epochs: must be at least 1"),
+    (["--backend", "mpi"], "invalid choice: 'mpi'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--stage-devices", "cuda:0"], "expected two devices"),
+    (["--lr", "inf"], "--lr: must be a finite number"),
+    (["--lr", "nan"], "--lr: must be a finite number"),
+    (["--weight-decay", "-1"], "--weight-decay: must be a finite number at least 0"),
+    (["--clip-grad", "nan"], "--clip-grad: must be a finite number"),
+    (["--timeout-s", "inf"], "--timeout-s: must be a finite number"),
+    (["--seed", "-3"], "--seed: must be between 0 and"),
+    (["--seed", "99999999999"], "--seed: must be between 0 and"),
+    (["--val-fraction", "1.5"], "--val-fraction: must be at least 0 and below 1"),
+    (["--profile-steps", "9:3"], "expected FIRST:LAST"),
+    (["--data", "/no/such/file.csv"], "--data /no/such/file.csv: no such file or folder"),
+    (["--resume", "/no/such.pt"], "--resume /no/such.pt: no such file or folder"),
+])
+def test_bad_values_exit_2_with_one_line(argv, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+
+
+def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('epochs = 7\nbatch-size = 8\nlr = 1e-4\nno-progress = true\n'
+                    'stage-devices = ["cpu", "cpu"]\nmodel-layout = "model_parallel_2"\n')
+    cfg = parse_args(["--config", str(path), "--epochs", "2"])
+    assert (cfg.epochs, cfg.batch_size, cfg.lr, cfg.progress) == (2, 8, 1e-4, False)
+    assert cfg.stage_devices == ["cpu", "cpu"] and cfg.config == str(path)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("learning-rate = 0.1", "unknown key 'learning-rate'"),
+    ('epochs = "three"', "key 'epochs' must be an integer, got 'three'"),
+    ("epochs = 2.5", "key 'epochs' must be an integer, got 2.5"),
+    ("lr = true", "key 'lr' must be a number, got True"),
+    ("compile = 1", "key 'compile' must be true or false, got 1"),
+    ("epochs = 0", "key 'epochs': must be at least 1"),
+    ('precision = "fp8"', "key 'precision' must be one of fp32, bf16, fp16"),
+    ("local-rank = 1", "unknown key 'local-rank'"),
+    ("epochs = ", "not a readable TOML file"),
+])
+def test_bad_config_files_exit_2_naming_the_key(tmp_path, text, says, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--config", str(path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(lines) == 1 and says in lines[0], lines
+
+
+def test_the_example_config_trains_and_the_resolved_values_are_saved(workdir):
+    from conftest import PROJECT_ROOT
+    config = PROJECT_ROOT / "configs/example.toml"
+    ok(python_train(["--config", str(config), "--epochs", "1", "--dataset-size", "64"], workdir))
+    saved = json.loads((workdir / "runs/latest/config.json").read_text())
+    assert saved["epochs"] == 1 and saved["config"] == str(config)
+    assert saved["lr_schedule"] == parse_args(["--config", str(config)]).lr_schedule
+    assert summary(workdir / "runs/latest")["epochs_completed"] == 1
+
+
+def test_plain_python_is_a_world_of_one(workdir):
+    ok(python_train(["--epochs", "1", "--dataset-size", "256", "--batch-size", "32"], workdir))
+    done = summary(workdir / "runs/latest")
+    assert done["world_size"] == 1 and done["launcher"] == "none" and done["steps"] == 8
+
+
+def test_spawn_two_processes(workdir):
+    ok(python_train(["--nprocs", "2", "--epochs", "1", "--dataset-size", "256", "--batch-size",
+                     "32"], workdir))
+    done = summary(workdir / "runs/latest")
+    assert done["world_size"] == 2 and done["launcher"] == "spawn" and done["steps"] == 4
+
+
+def test_an_error_every_rank_finds_is_printed_once(workdir):
+    from conftest import torchrun
+    line = one_error(torchrun(["--lr", "inf"], workdir))
+    assert line.startswith("error: argument --lr")

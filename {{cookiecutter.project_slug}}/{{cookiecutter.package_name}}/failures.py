@@ -1,0 +1,120 @@
+"""Errors a user can act on, and what a rank says when its peers fail.
+
+Every known failure is a `SetupError`: the entry point prints it as one `error: ...` line and
+exits 1. Three rules keep the output of a many-rank job readable:
+
+- an error every rank finds (a bad flag value, data that does not fit the model) is printed once
+  per node, by local rank 0 (`everywhere=True`);
+- an error of one rank (rank 0 cannot write a checkpoint, rank 1 cannot read a sample) is printed
+  by that rank, which also leaves it in the job's key-value store; a peer that then loses contact
+  points to it instead of blaming the broken connection;
+- a rank that lost contact and finds no such record names the ranks that stopped answering.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+
+class SetupError(RuntimeError):
+    """A problem the user can fix, printed as one `error: ...` line.
+
+    everywhere: every rank found the same problem; only local rank 0 prints it.
+    quiet: another rank prints it (this rank only learned of it).
+    """
+
+    def __init__(self, message: str, *, everywhere: bool = False, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.everywhere = everywhere
+        self.quiet = quiet
+
+
+def local_rank_from_env() -> int:
+    """This process's local rank as far as the launcher's variables tell (0 when none does)."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def report_error(exc: SetupError, local_rank: int | None = None) -> None:
+    local_rank = local_rank_from_env() if local_rank is None else local_rank
+    if exc.quiet or (exc.everywhere and local_rank != 0):
+        return
+    sys.stderr.write(f"error: {exc}\n")  # one write: lines of several ranks do not interleave
+    sys.stderr.flush()
+
+
+# What gloo and NCCL say when a peer died, stalled past --timeout-s, or dropped its connection.
+_CLOSED = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused")
+_COMMUNICATION_FAILURES = (*_CLOSED, "Timed out", "timed out", "NCCL error", "Socket Timeout")
+
+
+def is_communication_failure(exc: BaseException) -> bool:
+    return isinstance(exc, dist.DistError) or any(t in str(exc) for t in _COMMUNICATION_FAILURES)
+
+
+class PeerErrors:
+    """Failure records in the job's key-value store, which every rank reaches.
+
+    Under torchrun the store lives in the launcher's agent and outlives the workers; under other
+    launchers rank 0 hosts it, so records of rank 0's own failures reach peers through the
+    collectives that agree on rank 0's decisions instead (see `resume.agree`).
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.host = socket.gethostname()
+
+    def record(self, message: str) -> None:
+        """Leave this rank's own error for its peers (best effort: the store may be gone)."""
+        try:
+            self.store.set(f"error/{self.rank}", f"{self.host}\n{message}")
+        except Exception:
+            pass
+
+    def _recorded(self) -> tuple[int, str, str] | None:
+        for rank in range(self.world_size):
+            if rank != self.rank and self.store.check([f"error/{rank}"]):
+                host, _, message = self.store.get(f"error/{rank}").decode().partition("\n")
+                return rank, host, message
+        return None
+
+    def explain(self, exc: BaseException, timeout_s: float) -> SetupError:
+        """The error to raise on this rank after a collective failed with `exc`."""
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        silent = "unknown (the job's store is gone too)"
+        try:
+            self.store.set(f"comm_failure/{self.rank}", "1")
+            # A closed connection means the peer's process is gone: the survivors notice within
+            # milliseconds, so a short look is enough. A stalled peer never answers: wait longer
+            # for the live ones to mark themselves.
+            closed = any(text in first_line for text in _CLOSED)
+            deadline = time.monotonic() + (0.5 if closed else 3.0)
+            while True:
+                found = self._recorded()
+                if found:
+                    rank, host, message = found
+                    return SetupError(f"rank {self.rank}: stopped because rank {rank} on {host} "
+                                      f"failed: {message}", quiet=host == self.host)
+                missing = [r for r in range(self.world_size)
+                           if not self.store.check([f"comm_failure/{r}"])]
+                # Two ranks: if the other one left no record, it is the one that is gone.
+                if (not missing or time.monotonic() > deadline
+                        or (closed and len(missing) == 1 and self.world_size == 2)):
+                    break
+                time.sleep(0.05)
+            silent = ", ".join(map(str, missing)) if missing else "none found (all saw the failure)"
+        except Exception:  # the store may have died with the rank that hosted it
+            pass
+        return SetupError(
+            f"rank {self.rank}: communication with the other ranks failed ({first_line}); "
+            f"rank(s) that stopped answering: {silent}. A rank that dies or hangs longer than "
+            f"--timeout-s={timeout_s:g} ends the job; see that rank's own output for why")

@@ -1,0 +1,133 @@
+"""What ends a training process that would otherwise hang or die without a word.
+
+The main thread spends its waits inside PyTorch's C++ code (connecting to the store, the
+rendezvous, collectives), where neither Python's signal handlers nor timeouts of its own can reach
+it. So one watcher thread per process does two jobs:
+
+- waits: `with lifeline.waiting("the other ranks to join", hint):` arms a deadline of
+  --timeout-s (plus a small margin, so PyTorch's own timeout, when there is one, speaks first). If
+  the block has not finished by then, the thread prints one `error:` line saying what this rank
+  waited for and what to do, and ends the process.
+- stop signals (SIGTERM from torchrun, SLURM or Kubernetes, SLURM's SIGUSR1, Ctrl-C): during
+  start-up there is nothing to save, so the process ends at once with a line that says so; during
+  training the loop is asked to stop at its next log step, where the ranks agree, save and exit.
+  A second Ctrl-C ends the process at once.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT] + (
+    [signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
+# Signals this close together are one event: Ctrl-C reaches torchrun's workers both from the
+# terminal and, a moment later, forwarded by torchrun itself.
+SAME_EVENT_S = 1.0
+
+
+def _say(text: str) -> None:
+    os.write(2, (text.rstrip("\n") + "\n").encode())
+
+
+class Lifeline:
+    def __init__(self, rank: int, timeout_s: float) -> None:
+        self.rank, self.timeout_s = rank, timeout_s
+        self.margin_s = 2.0 + 0.1 * timeout_s
+        self.phase = "starting"  # then "training", then "finishing"
+        self.stop_signal: int | None = None
+        self.resume_hint = "nothing to save"
+        self.cleanups: list[Callable[[], None]] = []  # run before the process is ended here
+        self._first_signal_at = 0.0
+        self._wait: tuple[float, str, str] | None = None  # deadline, what, hint
+        self._lock = threading.Lock()
+        self._reader, self._writer = socket.socketpair()
+        self._handlers: dict[int, object] = {}
+        self._old_wakeup_fd = -1
+        self._thread = threading.Thread(target=self._watch, name="lifeline", daemon=True)
+
+    # ------------------------------------------------------------------ main thread
+    def start(self) -> Lifeline:
+        """Install the signal handlers (main thread only) and start watching."""
+        self._writer.setblocking(False)
+        for signum in STOP_SIGNALS:
+            # A Python-level handler must exist for the C-level one to write to the wakeup fd;
+            # it does nothing itself (no KeyboardInterrupt traceback on Ctrl-C).
+            self._handlers[signum] = signal.signal(signum, lambda *_: None)
+        self._old_wakeup_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Give the signals back (tests run training in-process) and stop watching."""
+        signal.set_wakeup_fd(self._old_wakeup_fd)
+        for signum, handler in self._handlers.items():
+            signal.signal(signum, handler)
+        self.phase = "closed"
+        self._writer.send(b"\0")  # wakes the thread, which then exits
+
+    @contextmanager
+    def waiting(self, what: str, hint: str) -> Iterator[None]:
+        with self._lock:
+            self._wait = (time.monotonic() + self.timeout_s + self.margin_s, what, hint)
+        self._poke()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._wait = None
+
+    def _poke(self) -> None:
+        try:
+            self._writer.send(b"\0")
+        except BlockingIOError:
+            pass
+
+    # ------------------------------------------------------------------ watcher thread
+    def _watch(self) -> None:
+        while self.phase != "closed":
+            with self._lock:
+                wait = self._wait
+            timeout = None if wait is None else max(0.0, wait[0] - time.monotonic())
+            ready, _, _ = select.select([self._reader], [], [], timeout)
+            if ready:
+                for signum in self._reader.recv(64):
+                    if signum:
+                        self._on_signal(signum)
+                continue
+            with self._lock:
+                expired = self._wait is not None and self._wait[0] <= time.monotonic()
+                wait = self._wait
+            if expired and wait is not None:
+                _, what, hint = wait
+                self._end(f"error: rank {self.rank}: waited {self.timeout_s:g} s "
+                          f"(--timeout-s) for {what}; {hint}", 1)
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self.phase == "starting":
+            self._end(f"stopped by {name} during start-up, before the first training step: "
+                      "nothing to save, nothing lost", 0)
+        if self.phase != "training":
+            return
+        if self.stop_signal is None:
+            self.stop_signal, self._first_signal_at = signum, now
+        elif (signum == signal.SIGINT and self.stop_signal == signal.SIGINT
+              and now - self._first_signal_at > SAME_EVENT_S):
+            self._end(f"second Ctrl-C: stopping now without saving; {self.resume_hint}", 130)
+
+    def _end(self, line: str, code: int) -> None:
+        _say(line)
+        for cleanup in self.cleanups:
+            try:
+                cleanup()
+            except Exception:
+                pass
+        os._exit(code)

@@ -1,0 +1,171 @@
+"""Where the model lives: the three layouts of --model-layout.
+
+- data_parallel: the whole model on one device per process, wrapped in DDP.
+- model_parallel_2: the model split over two devices per process (the second half of its blocks
+  on the second device), then DDP without device_ids.
+- fsdp: FSDP2 (`fully_shard`) on each block and on the root: parameters, gradients and optimizer
+  state are sharded across ranks, and gathered block by block for the forward and backward.
+
+A model tells the last two layouts where its blocks are through `blocks(model)` in task.py (a
+plain `nn.Sequential` needs nothing: its children are its blocks).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .config import Config
+from .data import move_to
+from .failures import SetupError
+
+
+def model_blocks(model: nn.Module, task: Any) -> list[nn.Module] | None:
+    """The model's repeated blocks in forward order, from task.blocks, or None if unknown."""
+    if hasattr(task, "blocks"):
+        found = list(task.blocks(model))
+        if not found or not all(isinstance(b, nn.Module) for b in found):
+            raise SetupError("task.blocks(model) must return a non-empty list of the model's "
+                             "submodules", everywhere=True)
+        return found
+    if isinstance(model, nn.Sequential) and len(model) > 1:
+        return list(model)
+    return None
+
+
+def _to_device_of(module: nn.Module) -> Callable:
+    """A forward pre-hook moving a module's tensor inputs to the device of its own weights."""
+    device = next(iter(module.parameters(recurse=False)), None)
+    device = device.device if device is not None else next(module.buffers(recurse=False)).device
+
+    def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return move_to(args, device), move_to(kwargs, device)
+
+    return hook
+
+
+def split_over_two(model: nn.Module, blocks: list[nn.Module], devices: list[torch.device]) -> None:
+    """Put the second half of the blocks, and every module registered after the last block, on
+    devices[1]; the rest on devices[0]. Every module with weights of its own moves its inputs to
+    its device, so activations cross over wherever the forward pass goes; the output comes back
+    to devices[0], where the batch is."""
+    model.to(devices[0])
+    second: set[nn.Module] = set()
+    for block in blocks[len(blocks) // 2:]:
+        second.update(block.modules())
+    after_last = False
+    last_block = set(blocks[-1].modules())
+    for module in model.modules():
+        if after_last and module not in last_block:
+            second.add(module)
+        after_last = after_last or module is blocks[-1]
+    for module in second:
+        module.to(devices[1])
+    for module in model.modules():
+        if any(True for _ in module.parameters(recurse=False)) or any(
+                True for _ in module.buffers(recurse=False)):
+            module.register_forward_pre_hook(_to_device_of(module), with_kwargs=True)
+    model.register_forward_hook(lambda mod, args, out: move_to(out, devices[0]))
+
+
+def _check_compile() -> None:
+    if not getattr(torch._dynamo, "is_dynamo_supported", lambda: True)():
+        raise SetupError(f"--compile: torch.compile does not support Python "
+                         f"{sys.version.split()[0]} on {sys.platform} with PyTorch "
+                         f"{torch.__version__}; run without --compile", everywhere=True)
+
+
+def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task: Any,
+                is_main: bool) -> nn.Module:
+    """The model placed by --model-layout; returns what the training loop calls.
+
+    The model was built on the CPU by task.build_model; the optimizer is built after this, on the
+    parameters as placed (and, for fsdp, sharded)."""
+    if cfg.sync_bn:
+        if devices[0].type == "cuda":
+            # Batch statistics over the global batch; only the CUDA kernels support it.
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        elif is_main:
+            print("warning: --sync-bn needs CUDA; keeping per-process BatchNorm on CPU",
+                  file=sys.stderr, flush=True)
+    if cfg.compile:
+        _check_compile()
+    if cfg.model_layout == "fsdp":
+        return _fully_shard(model, cfg, devices[0], task, is_main)
+    if cfg.model_layout == "model_parallel_2":
+        blocks = model_blocks(model, task)
+        if blocks is None or len(blocks) < 2:
+            raise SetupError(
+                f"model_parallel_2 needs to know where to split {type(model).__name__}: define "
+                "blocks(model) in task.py returning its repeated blocks in forward order (at "
+                "least two), or use --model-layout data_parallel", everywhere=True)
+        split_over_two(model, blocks, devices)
+    else:
+        model.to(devices[0])
+    # A model spread over two devices (or on the CPU) is wrapped without device_ids.
+    single_cuda = len(set(devices)) == 1 and devices[0].type == "cuda"
+    wrapped: nn.Module = DDP(model, device_ids=[devices[0]] if single_cuda else None,
+                             find_unused_parameters=cfg.find_unused_parameters)
+    return torch.compile(wrapped) if cfg.compile else wrapped
+
+
+def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
+                 is_main: bool) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if importlib.util.find_spec("numpy") is None:
+        raise SetupError("--model-layout fsdp saves checkpoints with torch.distributed.checkpoint, "
+                         "which needs numpy: pip install numpy", everywhere=True)
+    model.to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if device.type == "cuda" and cfg.precision != "fp32":
+        # Compute in bf16/fp16, reduce gradients in fp32 (autocast is not used with fsdp on CUDA).
+        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float16
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    blocks = model_blocks(model, task) or []
+    if not blocks and is_main:
+        print(f"note: fsdp shards {type(model).__name__} as one unit (define blocks(model) in "
+              "task.py to gather one block at a time and save more memory)", flush=True)
+    for block in blocks:
+        if cfg.compile:
+            block.compile()  # compile each block before sharding it, as torchtitan does
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside torch.compile and DDP: whose state_dict has no prefixes."""
+    model = getattr(model, "_orig_mod", model)
+    return model.module if isinstance(model, DDP) else model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> Any:
+    """A context manager: gradients are exchanged in the backward pass only when `enabled`.
+
+    DDP: `no_sync()`. FSDP2: `set_requires_gradient_sync`, which also keeps the gradients
+    unsharded until the last micro-batch of an accumulation group."""
+    inner = getattr(model, "_orig_mod", model)
+    if isinstance(inner, DDP):
+        return inner.no_sync()
+    return _FsdpNoSync(inner)
+
+
+class _FsdpNoSync:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.model.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.set_requires_gradient_sync(True)

@@ -1,0 +1,121 @@
+"""Model and optimizer state for every layout, and sharded checkpoints (torch.distributed.checkpoint).
+
+`get_state_dict` / `set_state_dict` speak every layout: a DDP or split model gives plain tensors,
+an FSDP2 model its local shards (DTensors). DCP writes each rank's shards into one checkpoint
+folder and reads them back on any number of ranks, resharding as needed. A folder is written under
+a temporary name; rank 0 adds `meta.json` and renames it once DCP has written its `.metadata`
+(the last file, after every rank's data), so a folder with the real name is always complete.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from .checkpoint import META, CheckpointDir, checkpoint_path
+from .resume import agree
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def _fqn_optimizer_state(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """A plain optimizer state_dict (parameters numbered in model.parameters() order) with
+    parameter names instead, the form set_state_dict takes."""
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    return {"state": {names[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                             for g in state["param_groups"]]}
+
+
+def set_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
+    """Load a file checkpoint's full (unsharded) state into any layout."""
+    if not is_sharded(model):
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+        return
+    set_state_dict(model, optimizer, model_state_dict=model_state,
+                   optim_state_dict=_fqn_optimizer_state(model, optimizer_state),
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """Load a checkpoint folder into any layout (every rank); returns the saved random states
+    when they fit this world (same number of ranks), else None."""
+    meta = json.loads((path / META).read_text())
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
+    if meta["world_size"] == dist.get_world_size():
+        state["rng"] = torch.empty(meta["rng_shape"], dtype=torch.uint8)
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    return state.get("rng")
+
+
+def load_full_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint folder's model as one plain state_dict, without a process group (export)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with __import__("tempfile").TemporaryDirectory() as tmp:
+        whole = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(str(path), str(whole))
+        return torch.load(whole, map_location="cpu", weights_only=True)["model"]
+
+
+class ShardedCheckpoints:
+    """Saves of one run in the DCP format; with `background`, the writing overlaps training."""
+
+    def __init__(self, ckpt_dir: CheckpointDir | None, directory: str, background: bool,
+                 comm_device: torch.device) -> None:
+        self.ckpt_dir, self.directory = ckpt_dir, Path(directory)
+        self.background, self.comm_device = background, comm_device
+        self._pending: Future | None = None
+        self._group: Any = None
+
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.Tensor,
+             meta: dict[str, Any], step: int, prepare: Callable[[], None]) -> None:
+        final = checkpoint_path(self.directory, step, sharded=True)
+        tmp = final.with_name(f".{final.name}.tmp")
+        meta = {**meta, "rng_shape": list(rng.shape)}
+        self.wait()  # at most one save in flight
+        agree(prepare, self.comm_device)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state, "rng": rng}
+
+        def commit() -> None:  # rank 0, after every rank's shards and DCP's metadata are written
+            (tmp / META).write_text(json.dumps(meta))
+            self.ckpt_dir.commit(tmp, final)
+
+        if not self.background:
+            dcp.save(state, checkpoint_id=str(tmp))
+            agree(commit, self.comm_device)
+            return
+        if self._group is None:  # background saves talk over a group of their own
+            self._group = dist.new_group(backend="gloo")
+        self._pending = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+        if self.ckpt_dir is not None:
+            pending = self._pending
+            self.ckpt_dir.in_background(lambda: (pending.result(), commit()))
+
+    def wait(self) -> None:
+        """Every rank: wait for the save in flight; rank 0's commit result reaches all ranks."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+            agree(lambda: self.ckpt_dir.wait(), self.comm_device)

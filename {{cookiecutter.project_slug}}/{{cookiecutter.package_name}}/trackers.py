@@ -1,0 +1,151 @@
+"""Experiment trackers beside metrics.jsonl (rank 0 only): TensorBoard, Weights & Biases, MLflow.
+
+Each is a small class with `log(record)` and `close()`, and `run_id` where the tracker has runs:
+it is saved in every checkpoint, so a resumed run continues the same tracker run. The package
+of each tracker is imported only when it is chosen; a missing one is one `error:` line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Protocol
+
+from .failures import SetupError
+
+NOT_SCALARS = ("step", "epoch")
+PROJECT = "{{ cookiecutter.project_slug }}"  # the W&B project and MLflow experiment by default
+
+
+class Tracker(Protocol):
+    run_id: str | None
+
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _scalars(record: dict[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in record.items()
+            if k not in NOT_SCALARS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _import(module: str, package: str, tracker: str) -> Any:
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError:
+        raise SetupError(f"--tracker {tracker} needs the {package} package: pip install {package} "
+                         "(or use --tracker none)") from None
+
+
+class TensorBoardTracker:
+    run_id = None  # TensorBoard appends to the same folder; there is no run to continue
+
+    def __init__(self, output_dir: Path) -> None:
+        module = _import("torch.utils.tensorboard", "tensorboard", "tensorboard")
+        self.writer = module.SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+
+    def log(self, record: dict[str, Any]) -> None:
+        for key, value in _scalars(record).items():
+            self.writer.add_scalar(f"train/{key}", value, record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """Weights & Biases. Offline (WANDB_MODE=offline) it writes the run under
+    <output-dir>/wandb/ for `wandb sync`; a resumed run logs under the same run id."""
+
+    def __init__(self, output_dir: Path, config: dict[str, Any], run_id: str | None) -> None:
+        wandb = _import("wandb", "wandb", "wandb")
+        self.wandb = wandb
+        new_run = run_id is None
+        self.run_id = run_id or wandb.util.generate_id()
+        try:
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT),
+                                  dir=str(output_dir), id=self.run_id, resume="allow",
+                                  config=config if new_run else None,  # logged once, at the start
+                                  settings=wandb.Settings(console="off", save_code=False))
+        except Exception as exc:
+            raise SetupError(f"--tracker wandb could not start ({type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[0] if str(exc) else ''}); log in "
+                             "with `wandb login`, or set WANDB_MODE=offline") from None
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.run.log(_scalars(record), step=record["step"], commit=True)
+
+    def close(self) -> None:
+        # Training processes end with os._exit: without finish() the run's data is lost.
+        self.run.finish()
+        self.wandb.teardown()
+
+
+class MlflowTracker:
+    """MLflow. The store is MLFLOW_TRACKING_URI, or sqlite in <output-dir>/mlflow.db; a resumed
+    run continues the same MLflow run."""
+
+    def __init__(self, output_dir: Path, config: dict[str, Any], run_id: str | None) -> None:
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+        mlflow = _import("mlflow", "mlflow-skinny", "mlflow")
+        self.mlflow = mlflow
+        try:
+            uri = os.environ.get("MLFLOW_TRACKING_URI",
+                                 f"sqlite:///{(output_dir / 'mlflow.db').resolve()}")
+            mlflow.set_tracking_uri(uri)
+            if run_id is None:
+                name = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
+                found = mlflow.get_experiment_by_name(name)
+                experiment = found.experiment_id if found else mlflow.create_experiment(
+                    name, artifact_location=(output_dir / "mlflow-artifacts").resolve().as_uri())
+                self.run = mlflow.start_run(experiment_id=experiment)
+                mlflow.log_params({k: str(v) for k, v in config.items()})  # once, at the start
+            else:
+                self.run = mlflow.start_run(run_id=run_id)
+        except Exception as exc:
+            raise SetupError(f"--tracker mlflow could not start ({type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[0] if str(exc) else ''}); check "
+                             "MLFLOW_TRACKING_URI") from None
+        self.run_id = self.run.info.run_id
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.mlflow.log_metrics(_scalars(record), step=record["step"])
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+def open_tracker(name: str, output_dir: Path, config: dict[str, Any],
+                 run_id: str | None) -> Tracker | None:
+    """The tracker `name` ("none" gives None), continuing `run_id` when there is one."""
+    if name == "none":
+        return None
+    if name == "tensorboard":
+        return SafeTracker(TensorBoardTracker(output_dir))
+    if name == "wandb":
+        return SafeTracker(WandbTracker(output_dir, config, run_id))
+    return SafeTracker(MlflowTracker(output_dir, config, run_id))
+
+
+class SafeTracker:
+    """A tracker whose failures mid-run are a warning, never the end of the run."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker, self.run_id, self.broken = tracker, tracker.run_id, False
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.broken:
+            return
+        try:
+            self.tracker.log(record)
+        except Exception as exc:
+            self.broken = True
+            print(f"warning: the tracker failed ({exc!r}); metrics.jsonl goes on",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        try:
+            self.tracker.close()
+        except Exception as exc:
+            print(f"warning: closing the tracker failed ({exc!r})", file=sys.stderr, flush=True)

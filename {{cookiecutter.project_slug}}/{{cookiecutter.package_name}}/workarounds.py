@@ -1,0 +1,79 @@
+"""Work-arounds for PyTorch behaviour, in one place so each can go the day PyTorch fixes it.
+
+Each entry says what goes wrong without it, the upstream report, and the PyTorch versions it was
+seen with. Delete a function (and its one call) once the minimum supported torch no longer needs it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import NoReturn
+
+import torch.distributed as dist
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a training process without Python's interpreter shutdown.
+
+    Without it: a run that finished fine can abort at exit ("terminate called without an active
+    exception", exit -6, and torchrun calls the job failed). Gloo's worker threads still hold
+    tensors when the interpreter is torn down, because a process group used by DDP stays alive
+    after destroy_process_group; releasing them then needs the GIL of a dying interpreter.
+    Upstream: https://github.com/pytorch/pytorch/issues/190489 (an atexit fix, #179291, was
+    abandoned). Seen with torch 2.13 (gloo, 1 in 20-60 resumed runs under load).
+    Cost: atexit handlers do not run, so everything the project writes is closed explicitly first.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def remove_file_store(store: dist.Store, path: Path, world_size: int) -> None:
+    """Remove a FileStore's file once the last rank leaves.
+
+    Without it: `exit_process` skips the FileStore destructor, which is where PyTorch removes the
+    file, and the next launch finds a leftover file. Needed as long as `exit_process` is.
+    """
+    try:
+        last = store.add("ranks_done", 1) == world_size
+    except Exception:  # a peer already removed the file: nothing left to do
+        return
+    if last:
+        path.unlink(missing_ok=True)
+
+
+def agent_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.Store:
+    """The store of torchrun's agent, seen through a prefix that is new for every restart.
+
+    Without it: torchrun keeps one store for every restart attempt of a job, and the workers of a
+    restart read the addresses the dead workers published there and never connect (gloo hangs in
+    connectFullMesh). Upstream: https://github.com/pytorch/pytorch/issues/135712 (restart counts
+    are tracked per worker, not per job). Seen with torch 2.5 to 2.13 under --max-restarts.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(host, port, world_size, is_master=False,
+                          timeout=timedelta(seconds=timeout_s), use_libuv=use_libuv())
+    return dist.PrefixStore(f"/worker/attempt_{attempt}", store)
+
+
+def windows_env(platform: str, torch_version: str) -> dict[str, str]:
+    """Environment Windows needs before any TCP store starts.
+
+    Without it: PyTorch 2.4+ defaults to a libuv TCPStore, which its Windows builds do not have
+    ("use_libuv was requested but PyTorch was built without libuv support").
+    Upstream: https://github.com/pytorch/pytorch/issues/139990; init_process_group defaults to
+    USE_LIBUV=0 on Windows since torch 2.7 (#148266), torchrun's rendezvous still does not
+    (#178600).
+    """
+    if platform != "win32":
+        return {}
+    major, minor = (int(part) for part in torch_version.split(".")[:2])
+    return {"USE_LIBUV": "0"} if (major, minor) >= (2, 4) else {}
+
+
+def use_libuv() -> bool:
+    return os.environ.get("USE_LIBUV", "1") == "1"
+
