@@ -1,4 +1,5 @@
-"""Shared pieces of the template's tests: valid answer combinations, baking, the expected file set."""
+"""Shared pieces of the template's tests: valid answer combinations, baking, the expected file set,
+and fresh virtual environments to run baked projects in, the way users do."""
 
 from __future__ import annotations
 
@@ -7,32 +8,39 @@ import json
 import os
 import subprocess
 import sys
+import venv
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CHOICES = {name: value for name, value in json.loads((ROOT / "cookiecutter.json").read_text()).items()
-           if isinstance(value, (list, bool))}
-# Booleans are prompts with a default; both values are valid answers.
-CHOICES = {name: (value if isinstance(value, list) else [False, True]) for name, value in CHOICES.items()}
+PYTHON = sys.executable
+ANSWERS = json.loads((ROOT / "cookiecutter.json").read_text())
+# Every prompt with a fixed set of answers; booleans are prompts whose answers are false and true.
+CHOICES = {name: (value if isinstance(value, list) else [False, True])
+           for name, value in ANSWERS.items()
+           if not name.startswith("_") and isinstance(value, (list, bool))}
+TORCH = "torch==2.13.0"  # the only torch this machine installs (a local CPU build)
 
 
 def pytest_configure(config):
-    # pytest-cookies bakes `--template` (default "."): make that this repository wherever pytest runs from.
+    # pytest-cookies bakes `--template` (default "."): make that this repository wherever pytest
+    # runs from.
     if getattr(config.option, "template", None) == ".":
         config.option.template = str(ROOT)
 
 
 def is_valid(answers: dict) -> bool:
-    """Combinations SPEC §2 says cannot work are not offered (test_hooks checks they are refused)."""
+    """The combinations the pre-generation hook refuses are not offered (test_hooks checks that
+    they are refused)."""
     return not (answers.get("windows_support") and answers.get("backend") == "nccl")
 
 
 def pairwise_combinations() -> list[dict]:
-    """A small set of valid answer combinations in which every pair of choices appears at least once."""
+    """A small set of valid answer combinations in which every pair of choices appears."""
     names = list(CHOICES)
-    candidates = [dict(zip(names, values, strict=True)) for values in itertools.product(*CHOICES.values())]
+    candidates = [dict(zip(names, values, strict=True))
+                  for values in itertools.product(*CHOICES.values())]
     candidates = [c for c in candidates if is_valid(c)]
 
     def pairs(combo: dict) -> set:
@@ -48,21 +56,32 @@ def pairwise_combinations() -> list[dict]:
     return chosen
 
 
+def answers_id(answers: dict) -> str:
+    """A test id that names every answer: launcher=spawn-backend=gloo-..."""
+    return "-".join(f"{name}={value}" for name, value in answers.items()) or "defaults"
+
+
 def expected_files(package: str, answers: dict) -> set[str]:
     files = {
         ".gitignore", "README.md", "pyproject.toml", "requirements.txt", "train.py",
-        "scripts/train_local.sh", "scripts/train_multinode.sh", "scripts/plot_metrics.py",
-        "tests/conftest.py", "tests/test_checkpoint.py", "tests/test_cli.py", "tests/test_data.py",
-        "tests/test_distributed.py", "tests/test_features.py", "tests/test_launchers.py", "tests/test_layouts.py",
-        "tests/test_nccl.py", "tests/test_recovery.py", "tests/test_train.py",
+        "configs/example.toml", "scripts/train_local.sh", "scripts/train_multinode.sh",
+        "scripts/plot_metrics.py",
     }
-    files |= {f"{package}/{name}.py" for name in
-              ("__init__", "checkpoint", "config", "data", "distributed", "doctor", "metrics", "model", "train",
-               "trainer")}
+    files |= {f"tests/{name}.py" for name in (
+        "conftest", "test_checkpoint", "test_config", "test_custom_task", "test_data",
+        "test_distributed", "test_features", "test_hangs", "test_launchers", "test_layouts",
+        "test_mistakes", "test_nccl", "test_recovery", "test_task", "test_tracker", "test_train")}
+    files |= {f"{package}/{name}.py" for name in (
+        "__init__", "checkpoint", "config", "data", "distributed", "doctor", "environments",
+        "failures", "lifeline", "metrics", "nccl", "optim", "parallel", "resume", "sharded",
+        "task", "trackers", "train", "trainer", "workarounds")}
     if answers.get("slurm", True):
-        files |= {"scripts/slurm/torchrun.sbatch", "scripts/slurm/srun.sbatch", "tests/test_slurm.py"}
+        files |= {"scripts/slurm/torchrun.sbatch", "scripts/slurm/srun.sbatch",
+                  "tests/test_slurm.py"}
     if answers.get("windows_support", False):
         files.add("scripts/train_windows.ps1")
+    if answers.get("kubernetes", False):
+        files |= {"Dockerfile", ".dockerignore", "k8s/pytorchjob.yaml", "k8s/pvc.yaml"}
     if answers.get("github_actions", True):
         files.add(".github/workflows/ci.yml")
     return files
@@ -70,14 +89,18 @@ def expected_files(package: str, answers: dict) -> set[str]:
 
 def project_files(project: Path) -> set[str]:
     return {p.relative_to(project).as_posix() for p in project.rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts and ".pytest_cache" not in p.parts}
+            if p.is_file() and not {"__pycache__", ".pytest_cache", ".ruff_cache"} & set(p.parts)}
+
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "SLURM_PROCID", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID")
 
 
 def run(cmd: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"):
-        full_env.pop(name, None)
-    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    full_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    full_env.update({"OMP_NUM_THREADS": "1", **env})
+    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def check_ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -98,4 +121,37 @@ def bake(cookies):
     return _bake
 
 
-PYTHON = sys.executable
+class Venv:
+    """A fresh virtual environment (no system site-packages), as a user would make one."""
+
+    def __init__(self, folder: Path) -> None:
+        venv.create(folder, with_pip=True)
+        self.folder = folder
+        self.bin = folder / ("Scripts" if sys.platform == "win32" else "bin")
+        self.python = str(self.bin / "python")
+
+    def env(self) -> dict[str, str]:
+        """What `source .venv/bin/activate` sets."""
+        return {"VIRTUAL_ENV": str(self.folder),
+                "PATH": f"{self.bin}{os.pathsep}{os.environ['PATH']}", "PYTHONNOUSERSITE": "1"}
+
+    def run(self, cmd: list[str] | str, cwd: Path, timeout: float = 900,
+            **env: str) -> subprocess.CompletedProcess:
+        """A command (a string runs in bash) with this environment active."""
+        cmd = ["bash", "-c", cmd] if isinstance(cmd, str) else cmd
+        return run(cmd, cwd, timeout, **self.env(), **env)
+
+    def pip(self, *args: str, cwd: Path) -> None:
+        check_ok(self.run([self.python, "-m", "pip", "install", "-q", *args], cwd))
+
+    def has(self, module: str, cwd: Path) -> bool:
+        result = self.run([self.python, "-c", f"import {module}"], cwd)
+        return result.returncode == 0
+
+
+@pytest.fixture(scope="session")
+def torch_venv(tmp_path_factory) -> Venv:
+    """A fresh venv with only the pinned torch installed (shared by the tests that add to it)."""
+    env = Venv(tmp_path_factory.mktemp("venv") / ".venv")
+    env.pip(TORCH, cwd=env.folder)
+    return env

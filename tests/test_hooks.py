@@ -1,8 +1,7 @@
-"""Bad answers are refused before anything is written, with one ERROR line that says what works."""
+"""Bad answers are refused before anything is written, with one ERROR line that says what works,
+and nothing is left behind when cookiecutter returns."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 from conftest import PYTHON, ROOT, run
@@ -14,6 +13,7 @@ BAD = [
     ({"package_name": "my-model"}, "package_name", "identifier"),
     ({"package_name": "json"}, "package_name", "shadow"),
     ({"package_name": "torch"}, "package_name", "shadow"),
+    ({"package_name": "wandb"}, "package_name", "shadow"),
     ({"package_name": "train"}, "package_name", "shadow"),
     ({"project_slug": "a/b", "package_name": "ab"}, "project_slug", "path separator"),
     ({"project_slug": "a/b/c", "package_name": "deep"}, "project_slug", "path separator"),
@@ -24,22 +24,25 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("answers, variable, reason", BAD, ids=[str(a) for a, _, _ in BAD])
-def test_bad_answer_is_refused(tmp_path, answers, variable, reason):
+def _id(case: tuple) -> str:
+    return "-".join(f"{k}={v}" for k, v in case[0].items())
+
+
+@pytest.mark.parametrize("answers, variable, reason", BAD, ids=[_id(c) for c in BAD])
+def test_bad_answer_is_refused_and_leaves_nothing(tmp_path, answers, variable, reason):
     out = tmp_path / "out"
     out.mkdir()
     args = [f"{k}={v}" for k, v in answers.items()]
-    result = run([PYTHON, "-m", "cookiecutter", "--no-input", "-o", str(out), str(ROOT), *args], tmp_path, 120)
+    result = run([PYTHON, "-m", "cookiecutter", "--no-input", "-o", str(out), str(ROOT), *args],
+                 tmp_path, 120)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR: ")
               and "Stopping generation" not in line]
     assert len(errors) == 1, result.stderr
     assert errors[0].startswith(f"ERROR: {variable} ") and reason in errors[0]
-    deadline = time.monotonic() + 10  # a slug with '/' is cleaned up just after cookiecutter exits
-    while list(out.iterdir()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # Checked the moment cookiecutter returns: nothing may be cleaned up later in the background.
     assert list(out.iterdir()) == [], "a refused bake left files behind"
-    assert [p.name for p in tmp_path.iterdir()] == ["out"], "a refused bake wrote outside its output folder"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"], "a refused bake wrote outside"
 
 
 def test_good_names_pass(tmp_path):

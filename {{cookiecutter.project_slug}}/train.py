@@ -1,4 +1,4 @@
-"""Start training: `torchrun --standalone --nproc-per-node=2 train.py --epochs 3` (see README.md)."""
+"""Start training: `torchrun --standalone --nproc-per-node=2 train.py` (see README.md)."""
 
 from {{ cookiecutter.package_name }}.train import exit_process, main
 

@@ -15,9 +15,10 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(PROJECT_ROOT / "train.py")
 # Variables a launcher sets: a test starts its own jobs and must never inherit a world.
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
-                 "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID",
-                 "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "KUBERNETES_SERVICE_HOST")
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID",
+                 "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS",
+                 "SLURM_LOCALID", "KUBERNETES_SERVICE_HOST")
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Checkpoint files and folders: atomic writes, a lock, pruning of this run's own, loading safely."""
+"""Checkpoint files and folders: atomic writes, a lock, pruning only this run's, safe loading."""
 
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -11,27 +10,35 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_ROOT, TRAIN, child_env, ok, path_with, python_train, run_cmd, torchrun
+from conftest import (
+    PROJECT_ROOT,
+    TRAIN,
+    child_env,
+    ok,
+    one_error,
+    path_with,
+    python_train,
+    run_cmd,
+    summary,
+    torchrun,
+)
 
-from {{ cookiecutter.package_name }}.distributed import find_free_port
+from {{ cookiecutter.package_name }}.environments import find_free_port
 
 pytestmark = pytest.mark.launchers
 
-QUICK = ["--epochs", "1", "--dataset-size", "256"]
-
-
-def summary(output_dir: Path) -> dict:
-    return json.loads((output_dir / "summary.json").read_text())
+QUICK = ["--epochs", "1", "--dataset-size", "256", "--batch-size", "32", "--hidden-size", "8"]
 
 
 def start(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, TRAIN, "--no-progress", *args], cwd=cwd, env=child_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, TRAIN, "--no-progress", *args], cwd=cwd,
+                            env=child_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def test_two_spawn_runs_at_the_same_time_both_succeed(workdir):
-    runs = [start(["--nprocs", "2", *QUICK, "--output-dir", f"r{i}", "--checkpoint-dir", f"c{i}"], workdir)
-            for i in range(2)]
+    runs = [start(["--nprocs", "2", *QUICK, "--output-dir", f"r{i}", "--checkpoint-dir", f"c{i}"],
+                  workdir) for i in range(2)]
     for run in runs:
         _, err = run.communicate(timeout=240)
         assert run.returncode == 0, err
@@ -40,7 +47,8 @@ def test_two_spawn_runs_at_the_same_time_both_succeed(workdir):
 
 def _worker_pids(parent: int) -> list[int]:
     children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-    return [int(pid) for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+    return [int(pid) for pid in children
+            if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
@@ -64,32 +72,36 @@ def test_a_killed_spawn_worker_ends_the_run_with_its_error(workdir):
 @pytest.mark.parametrize("use_env", [False, True], ids=["local-rank-flag", "use-env"])
 def test_legacy_launch(workdir, use_env):
     cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node=2",
-           f"--master-port={find_free_port()}", *(["--use-env"] if use_env else []), TRAIN, "--no-progress", *QUICK]
+           f"--master-port={find_free_port()}", *(["--use-env"] if use_env else []), TRAIN,
+           "--no-progress", *QUICK]
     ok(run_cmd(cmd, workdir))
-    result = summary(workdir / "runs/latest")
-    assert result["world_size"] == 2 and result["launcher"] == ("torchrun" if use_env else "launch")
+    done = summary(workdir / "runs/latest")
+    assert done["world_size"] == 2 and done["launcher"] == ("torchrun" if use_env else "launch")
 
 
 def test_two_torchrun_nodes_on_localhost(workdir, bin_dir):
-    """scripts/train_multinode.sh on two 'nodes' (both 127.0.0.1): c10d rendezvous, one process each."""
+    """scripts/train_multinode.sh on two 'nodes' (both 127.0.0.1): c10d rendezvous."""
     port = find_free_port()
     script = str(PROJECT_ROOT / "scripts/train_multinode.sh")
-    args = ["--no-progress", *QUICK, "--output-dir", str(workdir / "runs"), "--checkpoint-dir", str(workdir / "ck")]
+    args = ["--no-progress", *QUICK, "--output-dir", str(workdir / "runs"), "--checkpoint-dir",
+            str(workdir / "ck")]
     env = child_env(PATH=path_with(bin_dir), NPROC="1", RDZV_ID=f"test-{port}", MAX_RESTARTS="0",
                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    nodes = [subprocess.Popen(["bash", script, "2", "0", f"127.0.0.1:{port}", *args], env=env, cwd=workdir,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+    nodes = [subprocess.Popen(["bash", script, "2", "0", f"127.0.0.1:{port}", *args], env=env,
+                              cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True),
              # the second node finds the head through MASTER_ADDR/MASTER_PORT
              subprocess.Popen(["bash", script, "2", "1", "-", *args], env=env, cwd=workdir,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
     for node in nodes:
         _, err = node.communicate(timeout=240)
         assert node.returncode == 0, err
-    result = summary(workdir / "runs")
-    assert result["world_size"] == 2 and result["launcher"] == "torchrun" and result["steps"] == 4
+    done = summary(workdir / "runs")
+    assert done["world_size"] == 2 and done["launcher"] == "torchrun" and done["steps"] == 4
 
 
-@pytest.mark.parametrize("method", ["tcp", "tcp://127.0.0.1:{port}", "file", "{tmp}/nested/store"])
+@pytest.mark.parametrize("method", ["tcp", "tcp://127.0.0.1:{port}", "file", "{tmp}/nested/store",
+                                    "{tmp}/my run/store", "{tmp}/dé jà/100%/store"])
 def test_init_methods_under_spawn(workdir, method):
     method = method.format(port=find_free_port(), tmp=workdir)
     ok(python_train(["--nprocs", "2", *QUICK, "--init-method", method], workdir))
@@ -98,9 +110,10 @@ def test_init_methods_under_spawn(workdir, method):
     assert not leftovers, f"rendezvous files left behind: {leftovers}"
 
 
-def test_file_init_under_torchrun(workdir):
-    ok(torchrun([*QUICK, "--init-method", "file"], workdir))
-    assert not [p for p in (workdir / "runs/latest/rendezvous").iterdir()]
+def test_file_init_under_torchrun_in_an_output_dir_with_a_space(workdir):
+    ok(torchrun([*QUICK, "--init-method", "file", "--output-dir", "runs/my run"], workdir))
+    assert summary(workdir / "runs/my run")["world_size"] == 2
+    assert not list((workdir / "runs/my run/rendezvous").iterdir()), "store file left behind"
 
 
 def test_stale_store_file_is_refused(workdir):
@@ -109,12 +122,25 @@ def test_stale_store_file_is_refused(workdir):
     an_hour_ago = time.time() - 3600
     os.utime(stale, (an_hour_ago, an_hour_ago))
     started = time.monotonic()
-    result = python_train(["--nprocs", "2", *QUICK, "--init-method", str(stale)], workdir, timeout=120)
-    assert result.returncode == 1 and time.monotonic() - started < 60
-    assert f"error: rendezvous file {stale} is left over from an earlier run" in result.stderr
+    line = one_error(python_train(["--nprocs", "2", *QUICK, "--init-method", str(stale)], workdir,
+                                  timeout=120))
+    assert time.monotonic() - started < 60
+    assert f"error: rendezvous file {stale} is left over from an earlier run" in line
     assert stale.exists(), "the user's file is reported, not deleted behind their back"
 
 
 def test_nprocs_under_a_launcher_is_refused(workdir):
-    result = torchrun(["--nprocs", "2", *QUICK], workdir)
-    assert result.returncode != 0 and "error: --nprocs starts processes itself" in result.stderr
+    assert "--nprocs starts processes itself" in one_error(torchrun(["--nprocs", "2", *QUICK],
+                                                                    workdir))
+
+
+def test_port_in_use_is_one_error_line(workdir):
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = one_error(run_cmd([sys.executable, TRAIN, "--no-progress", *QUICK], workdir,
+                                 timeout=120, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+    assert line == (f"error: port {port} on 127.0.0.1 is already in use; set MASTER_PORT to a "
+                    "free port (or use torchrun --standalone)")

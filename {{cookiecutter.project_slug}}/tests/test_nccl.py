@@ -1,14 +1,13 @@
-"""NCCL on real GPUs. Skipped cleanly on machines without CUDA devices or without NCCL."""
+"""NCCL on real GPUs: skipped cleanly on machines without CUDA devices or without NCCL."""
 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TRAIN, ok, python_train, run_cmd
+from conftest import TRAIN, ok, python_train, run_cmd, summary, torchrun_cmd
 
 pytestmark = [
     pytest.mark.nccl,
@@ -34,24 +33,43 @@ def test_nccl_all_reduce(workdir):
     script = workdir / "all_reduce.py"
     script.write_text(ALL_REDUCE)
     n = torch.cuda.device_count()
-    result = ok(run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                         f"--nproc-per-node={n}", str(script)], workdir))
+    result = ok(run_cmd([*torchrun_cmd(n), str(script)], workdir))
     assert result.stdout.count("all_reduce ok") == n
 
 
-def test_nccl_ddp_training(workdir):
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["data_parallel", "fsdp"])
+def test_nccl_training(workdir, precision, layout):
     n = torch.cuda.device_count()
-    ok(run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", TRAIN,
-                "--no-progress", "--backend", "nccl", "--epochs", "2", "--dataset-size", "1024", "--precision", "bf16",
+    ok(run_cmd([*torchrun_cmd(n), TRAIN, "--no-progress", "--backend", "nccl", "--epochs", "2",
+                "--dataset-size", "1024", "--precision", precision, "--model-layout", layout,
                 "--step-times", "steps.json"], workdir))
-    summary = json.loads((workdir / "runs/latest/summary.json").read_text())
-    assert summary["backend"] == "nccl" and summary["world_size"] == n
+    done = summary(workdir / "runs/latest")
+    assert done["backend"] == "nccl" and done["world_size"] == n and done["final_loss"] > 0
+    assert done["peak_mem_mb"][0] > 0
     steps = json.loads((workdir / "steps.json").read_text())
-    assert len(steps["cuda_step_ms"]) == len(steps["step_ends"]) - 1 and min(steps["cuda_step_ms"]) > 0
+    assert len(steps["cuda_step_ms"]) == len(steps["step_ends"]) - 1
+    assert min(steps["cuda_step_ms"]) > 0
 
 
 def test_nccl_model_parallel_on_one_gpu(workdir):
     ok(python_train(["--backend", "nccl", "--model-layout", "model_parallel_2", "--stage-devices",
                      "cuda:0,cuda:0", "--epochs", "1", "--dataset-size", "512"], workdir))
-    summary = json.loads((workdir / "runs/latest/summary.json").read_text())
-    assert summary["backend"] == "nccl" and summary["final_loss"] is not None
+    done = summary(workdir / "runs/latest")
+    assert done["backend"] == "nccl" and done["final_loss"] is not None
+
+
+@pytest.mark.compile
+def test_nccl_compile(workdir):
+    ok(python_train(["--backend", "nccl", "--compile", "--epochs", "1", "--dataset-size", "512"],
+                    workdir, timeout=600))
+    assert summary(workdir / "runs/latest")["steps"] > 0
+
+
+def test_nccl_resume_is_exact_on_the_gpu(workdir):
+    args = ["--backend", "nccl", "--epochs", "2", "--dataset-size", "512", "--deterministic"]
+    ok(python_train([*args, "--checkpoint-dir", "a"], workdir))
+    ok(python_train([*args, "--checkpoint-dir", "b", "--max-steps", "11"], workdir))
+    ok(python_train([*args, "--checkpoint-dir", "b"], workdir))
+    from conftest import assert_same_model, final_model
+    assert_same_model(final_model(workdir / "a"), final_model(workdir / "b"))

@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.recovery,
 
 # 16 steps an epoch, 64 in all, a checkpoint every 4 steps: slow enough to kill mid-run.
 FLAGS = ["--no-progress", "--dataset-size", "512", "--batch-size", "16", "--epochs", "4",
-         "--hidden-size", "64", "--save-every-steps", "4", "--keep-last", "0", "--log-every", "1000"]
+         "--hidden-size", "64", "--save-every-steps", "4", "--keep-last", "0",
+         "--log-every", "1000"]
 LAST_STEP = 64
 
 
@@ -127,8 +128,9 @@ def test_preemption_signal_saves_and_exits_cleanly(workdir, reference, how):
 
 
 def test_a_second_ctrl_c_exits_at_once(workdir):
-    job = subprocess.Popen([sys.executable, TRAIN, *FLAGS, "--epochs", "1000", "--log-every",
-                            "100000"], cwd=workdir, env=child_env(), stdout=subprocess.PIPE,
+    # One long epoch of single-sample steps: nothing ends it before the second Ctrl-C.
+    job = subprocess.Popen([sys.executable, TRAIN, *FLAGS, "--dataset-size", "8192",
+                            "--batch-size", "1", "--log-every", "100000"], cwd=workdir, env=child_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     wait_for_checkpoint(workdir / "checkpoints", 4)
     job.send_signal(signal.SIGINT)

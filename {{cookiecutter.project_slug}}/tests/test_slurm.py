@@ -1,4 +1,5 @@
-"""The sbatch scripts run for real, with stand-ins for srun and scontrol on PATH and SLURM's variables set."""
+"""The sbatch scripts run for real, with stand-ins for srun and scontrol on PATH and SLURM's
+variables set."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ rc=0
 for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
 exit $rc
 """
-# Every node of the stub allocation is this machine; a requeue stops the job step's tasks with SIGTERM,
-# as SLURM does before it puts the job back in the queue.
+# Every node of the stub allocation is this machine; a requeue stops the job step's tasks with
+# SIGTERM, as SLURM does before it puts the job back in the queue.
 SCONTROL = """
 if [[ "$1" == requeue ]]; then
   echo "requeue $2" > "$STUB_STATE/requeued"
@@ -53,7 +54,7 @@ def slurm_bin(bin_dir: Path) -> Path:
 
 
 def free_job_id() -> int:
-    """A job id whose derived port (15000 + id % 20000, as in the sbatch scripts) is free right now."""
+    """A job id whose derived port (15000 + id % 20000, as in the sbatch scripts) is free now."""
     for job_id in random.sample(range(20000), 500):
         with socket.socket() as s:
             try:
@@ -65,13 +66,16 @@ def free_job_id() -> int:
 
 
 def job_env(bin_dir: Path, nodes: int, tasks_per_node: int, **extra: str) -> dict[str, str]:
-    return {"PATH": path_with(bin_dir), "SLURM_JOB_ID": str(free_job_id()), "SLURM_JOB_NODELIST": "127.0.0.1",
-            "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NNODES": str(nodes), "SLURM_NTASKS": str(nodes * tasks_per_node),
-            "SLURM_NTASKS_PER_NODE": str(tasks_per_node), "SLURM_SUBMIT_DIR": str(PROJECT_ROOT), **extra}
+    return {"PATH": path_with(bin_dir), "SLURM_JOB_ID": str(free_job_id()),
+            "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_JOB_NUM_NODES": str(nodes),
+            "SLURM_NNODES": str(nodes), "SLURM_NTASKS": str(nodes * tasks_per_node),
+            "SLURM_NTASKS_PER_NODE": str(tasks_per_node), "SLURM_SUBMIT_DIR": str(PROJECT_ROOT),
+            **extra}
 
 
 def sbatch_args(workdir: Path, *training: str) -> list[str]:
-    return ["--no-progress", *training, "--output-dir", str(workdir / "runs"), "--checkpoint-dir", str(workdir / "ck")]
+    return ["--no-progress", *training, "--output-dir", str(workdir / "runs"), "--checkpoint-dir",
+            str(workdir / "ck")]
 
 
 def run_sbatch(script: str, workdir: Path, env: dict[str, str]):
@@ -85,7 +89,8 @@ def test_torchrun_pattern_two_nodes(workdir, slurm_bin):
     """One task per node (2 'nodes'), torchrun on each with one process: a world of 2."""
     summary = run_sbatch("torchrun.sbatch", workdir, job_env(slurm_bin, nodes=2, tasks_per_node=1,
                                                              SLURM_GPUS_ON_NODE="1"))
-    assert summary["world_size"] == 2 and summary["launcher"] == "torchrun" and summary["steps"] == 4
+    assert summary["world_size"] == 2 and summary["launcher"] == "torchrun"
+    assert summary["steps"] == 4
 
 
 def test_srun_pattern_one_task_per_device(workdir, slurm_bin):
@@ -110,18 +115,19 @@ def test_python_without_srun_inside_an_allocation_is_explained(workdir):
     assert "error: SLURM_NTASKS=2 but this process was not started by srun" in result.stderr
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stub finds tasks through /proc")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stub uses /proc")
 def test_time_limit_signal_requeues_and_the_requeued_job_resumes(workdir, slurm_bin):
     env = job_env(slurm_bin, nodes=1, tasks_per_node=2, STUB_STATE=str(workdir))
     script = str(PROJECT_ROOT / "scripts/slurm/srun.sbatch")
-    args = sbatch_args(workdir, "--dataset-size", "1024", "--batch-size", "16", "--epochs", "6", "--hidden-size",
+    args = sbatch_args(workdir, "--dataset-size", "1024", "--batch-size", "16", "--epochs", "6",
+                       "--hidden-size",
                        "256", "--num-layers", "3", "--save-every-steps", "8", "--log-every", "1000")
     job = subprocess.Popen(["bash", script, *args], cwd=workdir, env=child_env(**env), text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not list((workdir / "ck").glob("ckpt_step*.pt")) and time.monotonic() < deadline:
         time.sleep(0.01)
-    os.kill(job.pid, signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@120` sends before the time limit
+    os.kill(job.pid, signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@120` sends near the limit
     out, err = job.communicate(timeout=120)
     assert job.returncode == 0, err
     assert (workdir / "requeued").read_text().split() == ["requeue", env["SLURM_JOB_ID"]]

@@ -94,9 +94,11 @@ def write_file(state: dict[str, Any], path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as exc:
-        raise SetupError(f"cannot write checkpoint {path} ({exc.strerror or exc}); free space or "
-                         "choose another --checkpoint-dir") from None
+    except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as either
+        why = exc.__context__ if isinstance(exc, RuntimeError) and exc.__context__ else exc
+        why = getattr(why, "strerror", None) or str(why).strip().splitlines()[0]
+        raise SetupError(f"cannot write checkpoint {path} ({why}); free space or choose another "
+                         "--checkpoint-dir") from None
     finally:
         try:
             tmp.unlink(missing_ok=True)
@@ -163,6 +165,13 @@ class CheckpointDir:
         for leftover in self.directory.iterdir():
             if _TEMP.match(leftover.name):
                 _remove(leftover)
+
+    def check_space(self, needed: int) -> None:
+        free = shutil.disk_usage(self.directory).free
+        if free < needed:
+            raise SetupError(f"--checkpoint-dir {self.directory} has {free / 2**20:.0f} MB free; "
+                             f"a checkpoint of this model needs about {needed / 2**20:.0f} MB: "
+                             "free space or choose another --checkpoint-dir")
 
     def close(self) -> None:
         self.wait()

@@ -153,7 +153,8 @@ def resolve_rendezvous(method: str, world: World, rendezvous_dir: Path,
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SetupError(f"--init-method {method}: cannot create {path.parent} "
-                         f"({exc.strerror}); pick a writable shared folder", everywhere=True) from None
+                         f"({exc.strerror}); pick a writable shared folder",
+                         everywhere=True) from None
     check_store_file(path)
     return Rendezvous("file", path=path)
 
@@ -218,7 +219,7 @@ def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
         lifeline.cleanups.append(lambda: rdzv.path.unlink(missing_ok=True))
     others = f"the other {world.world_size - 1} rank(s)" if world.world_size > 1 else "the store"
     what, hint = f"{others} to join at {rdzv}", _hint(rdzv, world)
-    with lifeline.waiting(what, hint):
+    with lifeline.waiting(what, hint, timeout_s):
         try:
             store = _make_store(rdzv, world, timeout_s)
             kwargs = {}

@@ -208,8 +208,8 @@ class SlurmEnvironment:
                              "run `srun python train.py` inside the batch script (or use torchrun)")
         _check_ranks(rank, local_rank, world_size, f"SLURM (SLURM_PROCID/{tasks_var})")
         if local_rank >= local_world_size:
-            raise SetupError(f"SLURM_LOCALID={local_rank} but only {local_world_size} tasks on this "
-                             "node; make --ntasks-per-node match the tasks srun starts")
+            raise SetupError(f"SLURM_LOCALID={local_rank} but only {local_world_size} tasks on "
+                             "this node; make --ntasks-per-node match the tasks srun starts")
         if in_step and sum(per_node) != world_size:
             raise SetupError(f"{tasks_var}={world_size} but the tasks per node ({per_node_text}) "
                              f"add up to {sum(per_node)}; use --ntasks-per-node (not --ntasks) so "

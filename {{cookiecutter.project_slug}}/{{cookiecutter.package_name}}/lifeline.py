@@ -39,13 +39,13 @@ def _say(text: str) -> None:
 class Lifeline:
     def __init__(self, rank: int, timeout_s: float) -> None:
         self.rank, self.timeout_s = rank, timeout_s
-        self.margin_s = 2.0 + 0.1 * timeout_s
         self.phase = "starting"  # then "training", then "finishing"
         self.stop_signal: int | None = None
         self.resume_hint = "nothing to save"
         self.cleanups: list[Callable[[], None]] = []  # run before the process is ended here
         self._first_signal_at = 0.0
-        self._wait: tuple[float, str, str] | None = None  # deadline, what, hint
+        # deadline (--timeout-s plus a margin), what, hint, the timeout
+        self._wait: tuple[float, str, str, float] | None = None
         self._lock = threading.Lock()
         self._reader, self._writer = socket.socketpair()
         self._handlers: dict[int, object] = {}
@@ -73,9 +73,11 @@ class Lifeline:
         self._writer.send(b"\0")  # wakes the thread, which then exits
 
     @contextmanager
-    def waiting(self, what: str, hint: str) -> Iterator[None]:
+    def waiting(self, what: str, hint: str, timeout_s: float | None = None) -> Iterator[None]:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            self._wait = (time.monotonic() + self.timeout_s + self.margin_s, what, hint)
+            self._wait = (time.monotonic() + timeout_s + 2.0 + 0.1 * timeout_s, what, hint,
+                          timeout_s)
         self._poke()
         try:
             yield
@@ -105,9 +107,9 @@ class Lifeline:
                 expired = self._wait is not None and self._wait[0] <= time.monotonic()
                 wait = self._wait
             if expired and wait is not None:
-                _, what, hint = wait
-                self._end(f"error: rank {self.rank}: waited {self.timeout_s:g} s "
-                          f"(--timeout-s) for {what}; {hint}", 1)
+                _, what, hint, timeout_s = wait
+                self._end(f"error: rank {self.rank}: waited {timeout_s:g} s (--timeout-s) for "
+                          f"{what}; {hint}", 1)
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .failures import SetupError
 from .trackers import Tracker, open_tracker
 
 
@@ -27,10 +28,14 @@ class MetricsWriter:
         self.tracker: Tracker | None = None
         if not enabled:
             return
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        # A resumed run continues the same curve; a fresh run starts a new one.
-        self._file = open(self.output_dir / "metrics.jsonl", "a" if append else "w",
-                          encoding="utf-8")
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            # A resumed run continues the same curve; a fresh run starts a new one.
+            self._file = open(self.output_dir / "metrics.jsonl", "a" if append else "w",
+                              encoding="utf-8")
+        except OSError as exc:
+            raise SetupError(f"--output-dir {output_dir}: cannot write there "
+                             f"({exc.strerror or exc}); choose a writable folder") from None
         self.tracker = open_tracker(tracker, self.output_dir, config or {}, tracker_run_id)
 
     def log(self, record: dict[str, Any]) -> None:
@@ -132,6 +137,38 @@ class StepClock:
             report["cuda_step_ms"] = [a.elapsed_time(b) for a, b in
                                       zip(self.events, self.events[1:], strict=False)]
         return report
+
+
+class StepProfiler:
+    """A torch.profiler trace of optimizer steps FIRST..LAST (--profile-steps) on rank 0, written
+    to <output-dir>/profile/ for TensorBoard or Perfetto. Every other step costs one comparison."""
+
+    def __init__(self, steps: tuple[int, int] | None, output_dir: str | Path, enabled: bool,
+                 device: torch.device) -> None:
+        self.steps = steps if enabled else None
+        self.folder = Path(output_dir) / "profile"
+        self.device = device
+        self.profile: Any = None
+
+    def step_done(self, step: int) -> None:
+        """Call after optimizer step `step` (and with the first step's number minus one before
+        training starts)."""
+        if self.steps is None:
+            return
+        first, last = self.steps
+        if step == first - 1:
+            from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+            activities = [ProfilerActivity.CPU] + (
+                [ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self.profile = profile(activities=activities, record_shapes=True, profile_memory=True,
+                                   on_trace_ready=tensorboard_trace_handler(str(self.folder),
+                                                                            "rank0"))
+            self.profile.start()
+        elif step == last and self.profile is not None:
+            self.profile.stop()
+            self.profile = None
+            print(f"profile of steps {first}-{last}: {self.folder.resolve()}", flush=True)
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, float]:

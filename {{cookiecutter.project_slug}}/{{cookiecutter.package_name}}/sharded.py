@@ -1,4 +1,4 @@
-"""Model and optimizer state for every layout, and sharded checkpoints (torch.distributed.checkpoint).
+"""Model and optimizer state for every layout; sharded checkpoints (torch.distributed.checkpoint).
 
 `get_state_dict` / `set_state_dict` speak every layout: a DDP or split model gives plain tensors,
 an FSDP2 model its local shards (DTensors). DCP writes each rank's shards into one checkpoint

@@ -10,7 +10,6 @@ import math
 import os
 import random
 import signal
-import sys
 import time
 import traceback
 import uuid
@@ -28,6 +27,7 @@ from .distributed import assign_devices, cleanup, ddp_setup, resolve_backend, re
 from .environments import World, find_free_port, resolve_world
 from .failures import PeerErrors, SetupError, is_communication_failure, report_error
 from .lifeline import STOP_SIGNALS, Lifeline
+from .nccl import flight_recorder_hint, nccl_env, startup_timeout_s
 from .optim import Optimization
 from .parallel import parallelize
 from .trainer import Trainer
@@ -97,7 +97,10 @@ def run(cfg: Config, world: World) -> dict:
                                  cfg.model_layout, cfg.stage_devices,
                                  os.environ.get("CUDA_VISIBLE_DEVICES"))
         rdzv = resolve_rendezvous(cfg.init_method, world, rendezvous_dir(cfg))
-        store = ddp_setup(world, backend, rdzv, cfg.timeout_s, devices, lifeline)
+        if backend == "nccl":
+            os.environ.update(nccl_env(cfg.output_dir, os.environ))
+        store = ddp_setup(world, backend, rdzv, startup_timeout_s(cfg.timeout_s, backend),
+                          devices, lifeline)
         if world.is_main:
             print(f"world: {world.world_size} process(es), launcher {world.launcher}, backend "
                   f"{backend}, layout {cfg.model_layout}, rank 0 on "
@@ -111,7 +114,11 @@ def run(cfg: Config, world: World) -> dict:
             raise
         except Exception as exc:
             if world.world_size > 1 and is_communication_failure(exc):
-                raise peers.explain(exc, cfg.timeout_s) from exc
+                error = peers.explain(exc, cfg.timeout_s)
+                if backend == "nccl":
+                    error = SetupError(f"{error}; {flight_recorder_hint(cfg.output_dir)}",
+                                       quiet=error.quiet)
+                raise error from exc
             peers.record(f"{type(exc).__name__}: {exc}".splitlines()[0])
             raise
     finally:

@@ -28,7 +28,7 @@ from .data import ShardedBatchSampler, move_to
 from .environments import World
 from .failures import SetupError
 from .lifeline import Lifeline
-from .metrics import MetricsWriter, Progress, StepClock, peak_memory_mb
+from .metrics import MetricsWriter, Progress, StepClock, StepProfiler, peak_memory_mb
 from .optim import Optimization
 from .parallel import set_gradient_sync, unwrap
 from .resume import (
@@ -39,12 +39,14 @@ from .resume import (
     pick_checkpoint,
     unpack_rng_state,
 )
+from .workarounds import set_group_timeout
 
 
 class Trainer:
     def __init__(self, cfg: Config, world: World, task: Any, model: nn.Module,
                  optim: Optimization, batches: ShardedBatchSampler, loader: Any,
-                 val_loader: Any | None, val_batches: Any | None, devices: list[torch.device], backend: str,
+                 val_loader: Any | None, val_batches: Any | None, devices: list[torch.device],
+                 backend: str,
                  lifeline: Lifeline, started_at: float) -> None:
         self.cfg, self.world, self.task, self.model, self.optim = cfg, world, task, model, optim
         self.batches, self.loader, self.val_loader = batches, loader, val_loader
@@ -61,6 +63,8 @@ class Trainer:
                                                self.comm_device) if self.sharded else None)
         self.progress = Progress(cfg.progress and world.is_main)
         self.clock = StepClock(self.device, cuda_events=bool(cfg.step_times))
+        self.profiler = StepProfiler(cfg.profile_range(), cfg.output_dir, world.is_main,
+                                     self.device)
 
         # Position: the epoch being trained, the batches of it already done, optimizer steps.
         self.epoch, self.batch_in_epoch, self.step = 0, 0, 0
@@ -96,7 +100,8 @@ class Trainer:
         except (Exception, CheckpointException) as exc:  # its metadata read, but not all loads
             raise SetupError(f"cannot load checkpoint {path} ({type(exc).__name__}: "
                              f"{str(exc).strip().splitlines()[0] if str(exc) else ''}); use "
-                             "--resume with an older one, or --resume never", everywhere=True) from exc
+                             "--resume with an older one, or --resume never",
+                             everywhere=True) from exc
         self._restore_position(meta, path)
         self.resumed_from = str(path)
         self._saved_step = self.step
@@ -110,6 +115,8 @@ class Trainer:
 
     def _open_and_pick(self) -> str | None:
         self.ckpt_dir.open()
+        # Parameters and AdamW's two moments, 4 bytes each: what one checkpoint needs on disk.
+        self.ckpt_dir.check_space(12 * sum(p.numel() for p in self.raw.parameters()))
         path = pick_checkpoint(self.cfg.resume, self.cfg.checkpoint_dir)
         return None if path is None else str(path)
 
@@ -271,8 +278,11 @@ class Trainer:
             self.step += 1
             self.batch_in_epoch = i + 1
             self.clock.tick()
+            self.profiler.step_done(self.step)
             if self._first_step_s is None:
                 self._first_step_s = time.time() - self.started_at
+                if self.backend == "nccl":  # start-up had longer: training gets --timeout-s
+                    set_group_timeout(self.cfg.timeout_s)
                 self.lifeline.resume_hint = (f"resume continues from the newest checkpoint in "
                                              f"{Path(self.cfg.checkpoint_dir).resolve()}")
             # _done() here means --max-steps was reached: the last step is always logged.
@@ -389,6 +399,7 @@ class Trainer:
         warmup_note(self.cfg, self.optim, self.world.is_main)
         self._start = self._last_log_time = time.perf_counter()
         self.lifeline.phase = "training"
+        self.profiler.step_done(self.step)
         try:
             while not self._done():
                 self._run_epoch(self.epoch)
@@ -418,7 +429,8 @@ class Trainer:
             print(f"throughput: {summary['samples_per_s']:.0f} samples/s, median step "
                   f"{summary['median_step_ms']} ms, first step "
                   f"{summary['time_to_first_step_s']} s after start", flush=True)
-            print(f"done: {self.step} steps, final loss {self.last_loss:.5f}\n"
+            loss = "n/a" if self.last_loss is None else f"{self.last_loss:.5f}"
+            print(f"done: {self.step} steps, final loss {loss}\n"
                   f"checkpoints: {Path(self.cfg.checkpoint_dir).resolve()}\n"
                   f"summary: {path.resolve()}", flush=True)
         return summary
@@ -430,6 +442,13 @@ class Trainer:
         if self.metrics.tracker is not None:
             self.tracker_run_id = self.metrics.tracker.run_id
         self.metrics.write_json("config.json", self.cfg.to_dict())
+        if self.cfg.step_times:  # written at the end: find out now whether it can be
+            try:
+                Path(self.cfg.step_times).parent.mkdir(parents=True, exist_ok=True)
+                Path(self.cfg.step_times).touch()
+            except OSError as exc:
+                raise SetupError(f"--step-times {self.cfg.step_times}: cannot write it "
+                                 f"({exc.strerror or exc})") from None
 
     def _summary(self) -> dict[str, Any]:
         wall = time.perf_counter() - self._start

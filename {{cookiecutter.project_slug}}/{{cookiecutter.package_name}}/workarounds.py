@@ -74,6 +74,19 @@ def windows_env(platform: str, torch_version: str) -> dict[str, str]:
     return {"USE_LIBUV": "0"} if (major, minor) >= (2, 4) else {}
 
 
+def set_group_timeout(timeout_s: float) -> None:
+    """Change the default process group's timeout after it started (NCCL: long for start-up and
+    the first step, then --timeout-s).
+
+    Without it: one timeout for the whole run, either too short for NCCL's start-up or too long to
+    notice a stalled rank in training. PyTorch has no public API for this; torchtitan calls the
+    same private function. Seen with torch 2.4 to 2.13.
+    """
+    from datetime import timedelta
+
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+
+
 def use_libuv() -> bool:
     return os.environ.get("USE_LIBUV", "1") == "1"
 

@@ -9,7 +9,7 @@ folder reader understands binary PPM/PGM; for JPEG or PNG, swap `read_image` for
 torchvision (README.md shows how).
 
 The rest of the project relies on:
-    build_datasets(cfg) -> (train, val)    map-style Datasets, the same on every rank; val may be None
+    build_datasets(cfg) -> (train, val)    map-style Datasets, the same on every rank (val or None)
     build_model(cfg) -> nn.Module          built on the CPU; the project places it on devices
     loss_fn(model, batch) -> Tensor        the batch's mean loss; batch is already on the device
     eval_metrics(model, batch) -> dict     per-batch sums plus a 'count'; reported as val_<name>

@@ -7,7 +7,7 @@ Synthetic text by default; `--data FILE` trains on a text file, read one window 
 bytes at a time from disk (use `--num-workers N` to read in worker processes).
 
 The rest of the project relies on:
-    build_datasets(cfg) -> (train, val)    map-style Datasets, the same on every rank; val may be None
+    build_datasets(cfg) -> (train, val)    map-style Datasets, the same on every rank (val or None)
     build_model(cfg) -> nn.Module          built on the CPU; the project places it on devices
     loss_fn(model, batch) -> Tensor        the batch's mean loss; batch is already on the device
     eval_metrics(model, batch) -> dict     per-batch sums plus a 'count'; reported as val_<name>
@@ -96,7 +96,8 @@ class Block(nn.Module):
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape

@@ -6,7 +6,7 @@ Synthetic data by default; `--data file.csv` reads rows of 20 features and a tar
 a time from disk (use `--num-workers N` to read in worker processes).
 
 The rest of the project relies on:
-    build_datasets(cfg) -> (train, val)    map-style Datasets, the same on every rank; val may be None
+    build_datasets(cfg) -> (train, val)    map-style Datasets, the same on every rank (val or None)
     build_model(cfg) -> nn.Module          built on the CPU; the project places it on devices
     loss_fn(model, batch) -> Tensor        the batch's mean loss; batch is already on the device
     eval_metrics(model, batch) -> dict     per-batch sums plus a 'count'; reported as val_<name>

@@ -1,0 +1,277 @@
+"""Every user mistake is one clear line, before any work is lost: no traceback, no hang, and every
+checkpoint that existed before still loads.
+
+Each case starts from a folder that already holds a finished run (its checkpoints must survive),
+runs `python train.py` (or torchrun with 2 processes) with one bad input, and checks the exit code,
+that exactly one `error:` line was printed, what it says, and that the old checkpoints still load.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import (
+    TRAIN,
+    child_env,
+    ok,
+    one_error,
+    python_train,
+    read_metrics,
+    summary,
+    torchrun,
+    torchrun_cmd,
+)
+
+from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
+from {{ cookiecutter.package_name }}.resume import unreadable
+
+BASE = ["--no-progress", "--epochs", "1", "--dataset-size", "128", "--batch-size", "16",
+        "--hidden-size", "8", "--timeout-s", "20"]
+
+
+@dataclass
+class Case:
+    args: list[str]
+    says: str
+    code: int = 1
+    launcher: str = "python"  # or "torchrun": two processes
+    env: dict[str, str] = field(default_factory=dict)
+    prepare: str = ""  # what to put in the folder first (see `prepare`)
+
+
+CASES = {
+    # Flags whose values cannot work: exit 2 before anything starts.
+    "lr-inf": Case(["--lr", "inf"], "--lr: must be a finite number", 2),
+    "lr-nan": Case(["--lr", "nan"], "--lr: must be a finite number", 2),
+    "lr-negative": Case(["--lr", "-1"], "--lr: must be a finite number greater than 0", 2),
+    "lr-text": Case(["--lr", "fast"], "argument --lr: invalid number value: 'fast'", 2),
+    "weight-decay-negative": Case(["--weight-decay", "-1"], "--weight-decay: must be", 2),
+    "clip-grad-negative": Case(["--clip-grad", "-1"], "--clip-grad: must be", 2),
+    "clip-grad-nan": Case(["--clip-grad", "nan"], "--clip-grad: must be a finite number", 2),
+    "timeout-inf": Case(["--timeout-s", "inf"], "--timeout-s: must be a finite number", 2),
+    "timeout-zero": Case(["--timeout-s", "0"], "--timeout-s: must be a finite number", 2),
+    "seed-negative": Case(["--seed", "-1"], "--seed: must be between 0 and", 2),
+    "seed-huge": Case(["--seed", str(2**40)], "--seed: must be between 0 and", 2),
+    "epochs-zero": Case(["--epochs", "0"], "--epochs: must be at least 1", 2),
+    "batch-size-zero": Case(["--batch-size", "0"], "--batch-size: must be at least 1", 2),
+    "grad-accum-zero": Case(["--grad-accum", "0"], "--grad-accum: must be at least 1", 2),
+    "log-every-zero": Case(["--log-every", "0"], "--log-every: must be at least 1", 2),
+    "keep-last-negative": Case(["--keep-last", "-1"], "--keep-last: must be at least 0", 2),
+    "max-steps-negative": Case(["--max-steps", "-5"], "--max-steps: must be at least 0", 2),
+    "hidden-size-zero": Case(["--hidden-size", "0"], "--hidden-size: must be at least 1", 2),
+    "workers-negative": Case(["--num-workers", "-1"], "--num-workers: must be between 0", 2),
+    "val-fraction-one": Case(["--val-fraction", "1"], "--val-fraction: must be at least 0", 2),
+    "profile-backwards": Case(["--profile-steps", "5:2"], "expected FIRST:LAST", 2),
+    "precision-unknown": Case(["--precision", "fp8"], "invalid choice: 'fp8'", 2),
+    "backend-unknown": Case(["--backend", "mpi"], "invalid choice: 'mpi'", 2),
+    "layout-unknown": Case(["--model-layout", "pipeline"], "invalid choice: 'pipeline'", 2),
+    "flag-unknown": Case(["--learning-rate", "1"], "unrecognized arguments: --learning-rate", 2),
+    "stage-devices-one": Case(["--stage-devices", "cuda:0"], "expected two devices", 2),
+    "stage-devices-wrong-layout": Case(["--stage-devices", "cpu,cpu"],
+                                       "--stage-devices only applies to --model-layout", 2),
+    "data-missing": Case(["--data", "no/such/file"], "--data no/such/file: no such file", 2),
+    "resume-missing": Case(["--resume", "no/such.pt"], "--resume no/such.pt: no such file", 2),
+    "step-times-folder": Case(["--step-times", "."], "--step-times . is a folder", 2),
+    "checkpoint-dir-a-file": Case(["--checkpoint-dir", "afile"], "--checkpoint-dir afile is a file",
+                                  2, prepare="afile"),
+    "output-dir-a-file": Case(["--output-dir", "afile"], "--output-dir afile is a file", 2,
+                              prepare="afile"),
+    "config-missing": Case(["--config", "none.toml"], "--config none.toml: no such file", 2),
+    "config-unknown-key": Case(["--config", "bad.toml"], "unknown key 'learning-rate'", 2,
+                               prepare="bad.toml"),
+    "config-wrong-type": Case(["--config", "typed.toml"], "key 'epochs' must be an integer", 2,
+                              prepare="typed.toml"),
+    "bad-flag-under-torchrun": Case(["--lr", "inf"], "--lr: must be a finite number", 1,
+                                    launcher="torchrun"),
+    # Wrong places and launch mistakes: exit 1.
+    "init-method-unknown-scheme": Case(["--init-method", "bogus://x"], "is not one of env, tcp"),
+    "init-method-typo": Case(["--init-method", "tpc"], "--init-method 'tpc' is not one of"),
+    "init-method-file-host": Case(["--init-method", "file://tmp/x"], "three slashes"),
+    "init-method-tcp-no-port": Case(["--init-method", "tcp://host"], "expected tcp://HOST:PORT"),
+    "checkpoint-dir-under-a-file": Case(["--checkpoint-dir", "afile/ck"],
+                                        "--checkpoint-dir afile/ck: cannot write there",
+                                        prepare="afile"),
+    "checkpoint-dir-under-a-file-2-ranks": Case(["--checkpoint-dir", "afile/ck"],
+                                                "cannot write there", launcher="torchrun",
+                                                prepare="afile"),
+    "output-dir-under-a-file": Case(["--output-dir", "afile/runs"],
+                                    "--output-dir afile/runs: cannot write there", prepare="afile"),
+    "step-times-under-a-file": Case(["--step-times", "afile/steps.json"],
+                                    "--step-times afile/steps.json: cannot write it",
+                                    prepare="afile"),
+    "resume-garbage": Case(["--resume", "garbage.pt"], "--resume garbage.pt: cannot load it",
+                           prepare="garbage.pt"),
+    "resume-incomplete-folder": Case(["--resume", "half"], "--resume half: cannot load it "
+                                     "(incomplete", prepare="half"),
+    "resume-other-model": Case(["--hidden-size", "16"], "does not fit the model: "),
+    "resume-other-model-2-ranks": Case(["--hidden-size", "16"], "does not fit the model: ",
+                                       launcher="torchrun"),
+    "nccl-without-gpus": Case(["--backend", "nccl"], "use --backend gloo"),
+    "fp16-on-cpu": Case(["--precision", "fp16"], "--precision fp16 needs CUDA"),
+    "nprocs-under-torchrun": Case(["--nprocs", "2"], "--nprocs starts processes itself",
+                                  launcher="torchrun"),
+    "local-rank-not-a-number": Case([], "LOCAL_RANK='abc' is not an integer",
+                                    env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "abc"}),
+    "rank-outside-world": Case([], "rank 5 is outside a world of 2 processes",
+                               env={"RANK": "5", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}),
+    "master-port-not-a-number": Case([], "MASTER_PORT='http' is not an integer",
+                                     env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                                          "MASTER_PORT": "http"}),
+    "disk-full-at-first-save": Case(["--epochs", "3"], "cannot write checkpoint",
+                                    prepare="file-size-limit"),
+    "loss-becomes-nan": Case(["--epochs", "3", "--log-every", "2"], "the loss became nan by step",
+                             prepare="nan-after-step-4"),
+}
+
+FILES = {
+    "bad.toml": "learning-rate = 0.1\n",
+    "typed.toml": 'epochs = "two"\n',
+    "garbage.pt": "not a checkpoint",
+    "afile": "",
+}
+NAN_TASK = """
+import sys, math
+import {{ cookiecutter.package_name }}.train as entry
+
+original, calls = entry.task.loss_fn, [0]
+
+def loss_fn(model, batch):  # a task whose loss goes bad after a while
+    calls[0] += 1
+    loss = original(model, batch)
+    return loss * math.nan if calls[0] > 4 else loss
+
+entry.task.loss_fn = loss_fn
+sys.exit(entry.main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A folder with the checkpoints of a run that finished, for each case to start from."""
+    folder = tmp_path_factory.mktemp("finished")
+    ok(python_train(BASE[1:] + ["--epochs", "2"], folder))
+    return folder
+
+
+def prepare(workdir: Path, what: str) -> tuple[list[str], object]:
+    """Files for a case; returns the command's script and a preexec function."""
+    if what in FILES:
+        (workdir / what).write_text(FILES[what])
+    elif what == "half":
+        (workdir / "half").mkdir()
+    elif what == "nan-after-step-4":
+        (workdir / "nan.py").write_text(NAN_TASK)
+        return [str(workdir / "nan.py")], None
+    elif what == "file-size-limit":
+        def limit_file_size():  # a disk that fills up: files may not grow past 12 kB
+            import resource
+            resource.setrlimit(resource.RLIMIT_FSIZE, (12_000, 12_000))
+        return [TRAIN], limit_file_size
+    return [TRAIN], None
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mistake(name, finished_run, tmp_path):
+    case = CASES[name]
+    workdir = tmp_path / "run"
+    shutil.copytree(finished_run, workdir)
+    before = {p: read_meta(p)["step"] for p in list_checkpoints(workdir / "checkpoints")}
+    assert before
+    script, preexec = prepare(workdir, case.prepare)
+    launcher = torchrun_cmd(2) if case.launcher == "torchrun" else [sys.executable]
+    started = time.monotonic()
+    result = subprocess.run([*launcher, *script, *BASE, *case.args], cwd=workdir,
+                            env=child_env(**case.env), capture_output=True, text=True,
+                            timeout=120, preexec_fn=preexec)
+    line = one_error(result)  # exactly one error line, no traceback through the project
+    assert case.says in line, line
+    if case.launcher == "python":
+        assert result.returncode == case.code
+        assert "Traceback" not in result.stderr, result.stderr
+    assert time.monotonic() - started < 100
+    for path, step in before.items():  # nothing that was there is lost
+        assert unreadable(path) is None and read_meta(path)["step"] == step, path
+
+
+def test_the_table_is_long_enough():
+    assert len(CASES) >= 40
+
+
+# The worst reports, each its own test: these used to hang, loop or delete checkpoints.
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started (torchrun's workers live in process groups of their own)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def test_file_rendezvous_in_an_output_dir_that_needs_url_escaping(workdir):
+    output = "runs/my ré%20sumé 100%"  # a space, accents, an escape-like %20 and a bare %
+    ok(torchrun([*BASE[1:], "--init-method", "file", "--output-dir", output], workdir,
+                timeout=120))
+    assert not list((workdir / output / "rendezvous").iterdir())
+    assert not [p for p in workdir.rglob("*%20*") if p.is_file()], "no escaped names left behind"
+
+
+def test_resuming_mid_epoch_with_less_data_goes_on_with_the_next_epoch(workdir):
+    ok(torchrun([*BASE[1:], "--dataset-size", "256", "--max-steps", "3"], workdir))
+    result = ok(torchrun([*BASE[1:], "--dataset-size", "64", "--epochs", "2"], workdir,
+                         timeout=120))
+    assert "which now has 2; going on with epoch 1" in result.stderr
+    assert summary(workdir / "runs/latest")["epochs_completed"] == 2
+
+
+def test_keep_last_never_deletes_another_runs_checkpoints(workdir):
+    ok(python_train([*BASE[1:], "--max-steps", "4", "--save-every-steps", "1"], workdir))
+    theirs = {p.name for p in list_checkpoints(workdir / "checkpoints")}
+    result = ok(python_train([*BASE[1:], "--resume", "never", "--keep-last", "1", "--max-steps",
+                              "2", "--save-every-steps", "1"], workdir))
+    assert "moved checkpoints of another run" in result.stdout
+    mine = [p.name for p in list_checkpoints(workdir / "checkpoints")]
+    assert mine == ["ckpt_step00000002.pt"], "this run keeps its newest"
+    aside = [p for p in (workdir / "checkpoints").iterdir() if p.name.startswith("earlier-")]
+    assert {p.name for p in aside[0].iterdir()} == theirs, "the other run's are all still there"
+
+
+def test_two_jobs_sharing_a_checkpoint_dir(workdir):
+    first = subprocess.Popen([*torchrun_cmd(2), TRAIN, *BASE, "--epochs", "1000", "--log-every",
+                              "1"], cwd=workdir, env=child_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in first.stdout:
+            if " step " in line:
+                break
+        second = torchrun([*BASE[1:], "--output-dir", "runs/second"], workdir, timeout=120)
+        line = one_error(second)
+        assert "--checkpoint-dir checkpoints is in use by a run that is still going" in line
+        assert first.poll() is None, "the first job goes on"
+    finally:
+        for pid in [*_children(first.pid), first.pid]:  # the workers, then torchrun
+            os.kill(pid, 9)
+        first.communicate(timeout=120)
+
+
+def test_a_loss_that_becomes_nan_names_the_newest_good_checkpoint(workdir):
+    (workdir / "nan.py").write_text(NAN_TASK)
+    result = subprocess.run([sys.executable, str(workdir / "nan.py"), *BASE, "--epochs", "3",
+                             "--log-every", "2", "--save-every-steps", "2"], cwd=workdir,
+                            env=child_env(), capture_output=True, text=True, timeout=120)
+    line = one_error(result)
+    assert "the loss became nan by step 6; the newest good checkpoint is" in line
+    assert "ckpt_step00000004.pt" in line
+    losses = [m["loss"] for m in read_metrics(workdir / "runs/latest")]
+    assert all(loss == loss for loss in losses), "nothing after the nan was logged as training"
+
+
+def test_warmup_longer_than_the_run_is_a_warning(workdir):
+    result = ok(python_train([*BASE[1:], "--warmup-steps", "1000"], workdir))
+    assert "warning: --warmup-steps 1000 is longer than the run (8 steps)" in result.stderr
