@@ -2,7 +2,7 @@
 # make test: the template's whole test suite (what CI runs).
 # make bench: the benchmark (not part of the tests).
 PYTHON ?= python3
-# Installed only when `import torch` fails. Override for your platform, e.g. TORCH="torch==2.5.1".
+# Installed only when `import torch` fails. Override for your platform, e.g. TORCH="torch==2.6.0".
 TORCH ?= torch==2.13.0
 
 .PHONY: setup demo test lint bench
@@ -22,7 +22,7 @@ lint:
 	$(PYTHON) -m ruff check hooks tests bench
 
 test: setup lint
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=25
 
 # The generated Trainer against a raw DDP loop, DataLoader, the tutorial style and Lightning (see README).
 bench: setup

@@ -24,20 +24,33 @@ import time
 import venv
 from pathlib import Path
 
+from extra import measure_recovery, measure_saves
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 WARMUP_STEPS = 20
 WORKLOADS = {
     # tiny: per-step framework overhead over the ~1 ms gloo floor. 512 steps per run on CPU.
-    "tiny": {"hidden-size": 64, "num-layers": 2, "batch-size": 32, "dataset-size": 32768, "epochs": 1},
-    # ~6 MB of parameters (1.5 M floats): all-reduce and bucketing. 256 steps per run on CPU.
-    "mlp-6MB": {"hidden-size": 1224, "num-layers": 2, "batch-size": 32, "dataset-size": 16384, "epochs": 1},
+    "tiny": {"task": "regression", "hidden-size": 64, "num-layers": 2, "batch-size": 32,
+             "dataset-size": 32768, "epochs": 1},
+    # ~6 MB of parameters (1.5 M floats): all-reduce and bucketing; also ours with fsdp.
+    "mlp-6MB": {"task": "regression", "hidden-size": 1224, "num-layers": 2, "batch-size": 32,
+                "dataset-size": 16384, "epochs": 1},
+    # images: the classification task reading and decoding an image folder one image at a time in
+    # 2 DataLoader workers per rank, against a DataLoader + DistributedSampler loop on the same data.
+    "images": {"task": "classification", "hidden-size": 32, "num-layers": 2, "batch-size": 32,
+               "epochs": 1, "num-workers": 2},
     # smoke: checks that every variant runs (the template's tests use it); its timings mean nothing.
-    "smoke": {"hidden-size": 16, "num-layers": 1, "batch-size": 16, "dataset-size": 1536, "epochs": 1},
+    "smoke": {"task": "regression", "hidden-size": 16, "num-layers": 1, "batch-size": 16,
+              "dataset-size": 1536, "epochs": 1},
 }
-DEFAULT_WORKLOADS = "tiny,mlp-6MB"
-VARIANTS = ["ours", "raw", "raw+DataLoader", "tutorial", "lightning"]
+VARIANTS_OF = {"tiny": ["ours", "raw", "raw+DataLoader", "tutorial", "lightning"],
+               "mlp-6MB": ["ours", "ours-fsdp", "raw", "raw+DataLoader", "tutorial", "lightning"],
+               "images": ["ours", "raw+DataLoader"],
+               "smoke": ["ours", "raw", "raw+DataLoader", "tutorial", "lightning"]}
+IMAGES = 4096  # in the folder of the images workload: 10 classes, 24 x 20 pixels, PPM
+DEFAULT_WORKLOADS = "tiny,mlp-6MB,images"
 SCRIPTS = {"raw": "raw.py", "raw+DataLoader": "raw_dataloader.py", "tutorial": "tutorial.py",
            "lightning": "lightning_variant.py"}
 # Runs a command and prints the largest resident set of any process it started, in KiB.
@@ -45,11 +58,29 @@ RSS_WRAPPER = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[
                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(rc)")
 
 
-def bake(folder: Path) -> Path:
+def bake(folder: Path, task: str) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "cookiecutter", "--no-input", "-o", str(folder), str(ROOT)], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "cookiecutter", "--no-input", "-o", str(folder), str(ROOT),
+                    f"task={task}"], check=True, stdout=subprocess.DEVNULL)
     return folder / "ddp-project"
+
+
+def write_images(folder: Path, count: int) -> Path:
+    """An image folder for the images workload: PPM files the classification task decodes."""
+    if folder.is_dir() and len(list(folder.rglob("*.ppm"))) == count:
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    for i in range(count):
+        label = i % 10
+        image = torch.randint(0, 256, (20, 24, 3), generator=g, dtype=torch.uint8)
+        image[:, :, label % 3] = image[:, :, label % 3] // 2 + 100
+        path = folder / f"class{label}" / f"{i:05d}.ppm"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"P6\n24 20\n255\n" + bytes(image.flatten().tolist()))
+    return folder
 
 
 def lightning_python() -> str:
@@ -90,18 +121,20 @@ def run_variant(name: str, workload: dict, project: Path, work: Path, python_for
                 gpu: bool) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    flags = [f"--{k}={v}" for k, v in workload.items()]
+    flags = [f"--{k}={v}" for k, v in workload.items() if k != "task"]
     nproc = 1 if gpu else 2
     torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     env = variant_env(project)
     python = python_for_lightning if name == "lightning" else sys.executable
-    if name == "ours":
+    if name.startswith("ours"):
         device_flags = ["--backend=nccl", "--precision=bf16"] if gpu else []
-        cmd = [python, *torchrun, str(project / "train.py"), *flags, *device_flags, "--no-progress",
-               "--val-fraction=0", "--save-every=0", "--resume=never", f"--output-dir={work}/runs",
-               f"--checkpoint-dir={work}/ck", f"--step-times={work}/steps.json"]
+        layout = ["--model-layout=fsdp"] if name == "ours-fsdp" else []
+        cmd = [python, *torchrun, str(project / "train.py"), *flags, *device_flags, *layout,
+               "--no-progress", "--val-fraction=0", "--save-every=0", "--resume=never",
+               f"--output-dir={work}/runs", f"--checkpoint-dir={work}/ck", f"--step-times={work}/steps.json"]
     else:
-        cmd = [python, *torchrun, str(HERE / "variants" / SCRIPTS[name]), *flags,
+        script = "raw_images.py" if workload["task"] == "classification" else SCRIPTS[name]
+        cmd = [python, *torchrun, str(HERE / "variants" / script), *flags,
                f"--device={'cuda' if gpu else 'cpu'}", f"--result={work}/steps.json"]
     launched_at = time.time()
     proc = subprocess.run([sys.executable, "-c", RSS_WRAPPER, *cmd], cwd=work, env=env, capture_output=True,
@@ -110,8 +143,10 @@ def run_variant(name: str, workload: dict, project: Path, work: Path, python_for
         raise RuntimeError(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     out = stats(json.loads((work / "steps.json").read_text()), launched_at, workload["batch-size"] * nproc)
     out["peak_rss_mb"] = int(proc.stderr.strip().splitlines()[-1]) / 1024
-    if name == "ours":
-        out["checkpoint_save_ms"] = json.loads((work / "runs/summary.json").read_text())["checkpoint_save_ms"]
+    if name.startswith("ours"):
+        summary = json.loads((work / "runs/summary.json").read_text())
+        out["checkpoint_stall_ms"] = summary["checkpoint_stall_ms"]
+        out["peak_mem_mb_per_rank"] = max(summary["peak_mem_mb"])
     return out
 
 
@@ -151,6 +186,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the results and the baked project go")
     parser.add_argument("--pairs", type=int, default=40,
                         help="CPU: paired in-process runs for the per-step overhead of ours over raw (0 = skip)")
+    parser.add_argument("--saves", action="store_true",
+                        help="CPU: checkpoint stall per save, sync vs --async-save, DDP and fsdp, on a 1 GB state")
+    parser.add_argument("--kills", type=int, default=0,
+                        help="CPU: SIGKILL a worker this many times and time the recovery under torchrun")
     args = parser.parse_args()
     workloads = args.workloads.split(",")
     unknown = [w for w in workloads if w not in WORKLOADS]
@@ -162,11 +201,18 @@ def main() -> int:
         print(f"error: {why}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    project = bake(args.out / "baked")
-    variants = [v for v in VARIANTS if not (v == "lightning" and args.no_lightning)]
-    python_for_lightning = lightning_python() if "lightning" in variants else None
-    raw: dict = {w: {v: [] for v in variants} for w in workloads}
-    for workload in raw:
+    projects = {task: bake(args.out / f"baked-{task}", task)
+                for task in sorted({WORKLOADS[w]["task"] for w in workloads} | {"regression"})}
+    if "images" in workloads:
+        WORKLOADS["images"]["data"] = write_images(args.out / "images", IMAGES)
+    python_for_lightning = None
+    raw: dict = {}
+    for workload in workloads:
+        variants = [v for v in VARIANTS_OF[workload] if not (v == "lightning" and args.no_lightning)]
+        if "lightning" in variants and python_for_lightning is None:
+            python_for_lightning = lightning_python()
+        raw[workload] = {v: [] for v in variants}
+        project = projects[WORKLOADS[workload]["task"]]
         for rep in range(args.reps):
             for variant in variants:  # interleaved: A B C A B C, so drift hits every variant alike
                 result = run_variant(variant, WORKLOADS[workload], project, args.out / "work" / variant,
@@ -175,22 +221,46 @@ def main() -> int:
                 print(f"{workload} rep {rep + 1}/{args.reps} {variant:15s} {result['median_ms']:.3f} ms/step",
                       flush=True)
     summary = summarize(raw)
-    overhead = measure_overhead(project, args.out / "work" / "overhead", args.pairs) if args.pairs and not args.gpu \
+    cpu = not args.gpu
+    regression = projects["regression"]
+    overhead = measure_overhead(regression, args.out / "work" / "overhead", args.pairs) if args.pairs and cpu \
         else None
+    saves = measure_saves(regression, args.out / "work" / "saves", variant_env(regression)) if args.saves and cpu \
+        else None
+    recovery = measure_recovery(regression, args.out / "work" / "recovery", variant_env(regression), args.kills) \
+        if args.kills and cpu else None
     machine = describe_machine(args.gpu)
     name = "results-gpu" if args.gpu else "results"
     (args.out / f"{name}.json").write_text(json.dumps(
         {"machine": machine, "mode": "gpu" if args.gpu else "cpu", "reps": args.reps,
-         "workloads": {w: WORKLOADS[w] for w in workloads}, "summary": summary, "overhead": overhead,
-         "runs": raw}, indent=1))
+         "workloads": {w: {k: str(v) for k, v in WORKLOADS[w].items()} for w in workloads}, "summary": summary,
+         "overhead": overhead, "saves": saves, "recovery": recovery, "runs": raw}, indent=1))
     print(table(summary, machine, args.reps, args.gpu))
     if overhead:
         print(f"\nper-step overhead of ours over raw in one process (world size 1, tiny model, median of "
               f"{overhead['pairs']} paired runs of {overhead['steps_per_run']} steps): median step "
               f"{overhead['overhead_us_median']:+.0f} us (ratio {overhead['ratio_median']:.3f}), 10th-percentile "
               f"step {overhead['overhead_us_p10']:+.0f} us (ratio {overhead['ratio_p10']:.3f})")
+    if saves:
+        print("\n" + saves_table(saves))
+    if recovery:
+        print(f"\ntime to recover (SIGKILL of rank 1 -> first step after torchrun's restart and resume), "
+              f"{recovery['kills']} kills: median {recovery['median_s']:.2f} s, min {recovery['min_s']:.2f} s, "
+              f"max {recovery['max_s']:.2f} s")
     plot(summary, args.out / f"{name}.png")
     return 0
+
+
+def saves_table(saves: dict) -> str:
+    lines = ["| layout | save | stall per save, median ms | max ms | checkpoint MB | async / sync |",
+             "|---|---|---|---|---|---|"]
+    for layout in ("data_parallel", "fsdp"):
+        for mode in ("sync", "async"):
+            v = saves[f"{layout}/{mode}"]
+            ratio = f"{saves[f'{layout}/ratio']:.3f}" if mode == "async" else ""
+            lines.append(f"| {layout} | {mode} | {v['stall_ms_median']:.1f} | {v['stall_ms_max']:.1f} | "
+                         f"{v['checkpoint_mb']:.0f} | {ratio} |")
+    return "\n".join(lines)
 
 
 def describe_machine(gpu: bool) -> str:
@@ -218,7 +288,8 @@ def summarize(raw: dict) -> dict:
             # How much one run differs from the next on this machine: read small ratios against it.
             summary[workload][variant]["median_ms_range"] = [min(r["median_ms"] for r in runs),
                                                              max(r["median_ms"] for r in runs)]
-        floor = summary[workload]["raw"]["median_ms"]
+        # The floor: the raw loop, or for per-sample data the hand-written DataLoader loop.
+        floor = summary[workload]["raw" if "raw" in per_variant else "raw+DataLoader"]["median_ms"]
         for values in summary[workload].values():
             values["ratio_to_raw"] = values["median_ms"] / floor
     return summary
@@ -228,16 +299,16 @@ def table(summary: dict, machine: str, reps: int, gpu: bool = False) -> str:
     mode = "NCCL, 1 process, bf16, CUDA-event step times" if gpu else "gloo, 2 processes, OMP_NUM_THREADS=1"
     lines = [f"machine: {machine}; {mode}; median of {reps} interleaved runs; first {WARMUP_STEPS} steps dropped",
              "",
-             "| workload | variant | median ms/step | runs' range | p90 ms/step | ratio to raw | samples/s "
-             "| launch to first step s | peak RSS MB | checkpoint save ms |",
+             "| workload | variant | median ms/step | runs' range | p90 ms/step | ratio to the floor | samples/s "
+             "| launch to first step s | peak RSS MB (all processes) | peak RSS MB per rank |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for workload, per_variant in summary.items():
         for variant, v in per_variant.items():
-            save = f"{v['checkpoint_save_ms']:.1f}" if "checkpoint_save_ms" in v else ""
+            per_rank = f"{v['peak_mem_mb_per_rank']:.0f}" if "peak_mem_mb_per_rank" in v else ""
             low, high = v["median_ms_range"]
             lines.append(f"| {workload} | {variant} | {v['median_ms']:.3f} | {low:.2f}-{high:.2f} | "
                          f"{v['p90_ms']:.3f} | {v['ratio_to_raw']:.3f} | {v['samples_per_s']:.0f} | "
-                         f"{v['first_step_s']:.2f} | {v['peak_rss_mb']:.0f} | {save} |")
+                         f"{v['first_step_s']:.2f} | {v['peak_rss_mb']:.0f} | {per_rank} |")
     return "\n".join(lines)
 
 

@@ -24,7 +24,7 @@ def test_bench_smoke_runs_every_variant_and_writes_its_report(tmp_path):
         assert values["steps"] == 48, variant
         assert 0 < values["median_ms"] <= values["p90_ms"] and values["samples_per_s"] > 0
         assert 0 < values["import_to_first_step_s"] < values["first_step_s"] < 120 and values["peak_rss_mb"] > 50
-    assert summary["raw"]["ratio_to_raw"] == 1.0 and summary["ours"]["checkpoint_save_ms"] > 0
+    assert summary["raw"]["ratio_to_raw"] == 1.0 and summary["ours"]["checkpoint_stall_ms"] > 0
     overhead = report["overhead"]  # ours' real Trainer and the raw loop, alternating in one process
     assert overhead["pairs"] == 1 and len(overhead["ours_ms"]) == len(overhead["raw_ms"]) == 1
     for median, p10 in overhead["ours_ms"] + overhead["raw_ms"]:  # each run's median and 10th-percentile step
@@ -37,7 +37,7 @@ def test_bench_smoke_runs_every_variant_and_writes_its_report(tmp_path):
 def test_bench_refuses_bad_arguments_in_one_line(tmp_path):
     bad = subprocess.run([*BENCH, "--workloads", "huge", "--out", str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "error: unknown workload huge; choose from tiny, mlp-6MB, smoke"]
+        "error: unknown workload huge; choose from tiny, mlp-6MB, images, smoke"]
     assert not any(tmp_path.iterdir()), "nothing is baked before the arguments are checked"
 
 

@@ -7,12 +7,12 @@ import time
 import pytorch_lightning as pl
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import StepClock, finish, make_optimizer, parse, setup
+from common import StepClock, finish, make_optimizer, parse, setup, write_result
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 args = parse()
 data, model, device = setup(args)  # the process group is set up; Lightning reuses it
-clock = StepClock(device)
+clock = StepClock(device, cuda_events=True)
 
 
 class Module(pl.LightningModule):
@@ -32,12 +32,12 @@ class Module(pl.LightningModule):
 
 
 gpu = device.type == "cuda"
-dataset = TensorDataset(data.x, data.y)
+dataset = TensorDataset(*data.tensors)
 loader = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=0), pin_memory=gpu)
 trainer = pl.Trainer(strategy="ddp", accelerator="gpu" if gpu else "cpu", devices=dist.get_world_size(),
                      precision="bf16-mixed" if gpu else "32-true", max_epochs=args.epochs, logger=False,
                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
                      use_distributed_sampler=False)
 trainer.fit(Module(), loader)
-clock.write(args.result, finished_at=time.time())
+write_result(clock, args.result, finished_at=time.time())
 finish()

@@ -3,9 +3,10 @@
 Whole-process runs on a small shared machine vary by 10-20% from run to run, which hides a
 difference of tens of microseconds. Here both loops run in the same process (world size 1, gloo,
 DDP with its reducer), alternating ours, raw, ours, raw ..., each pair on a fresh model and
-optimizer, so drift hits both alike. Ours is the project's real `Trainer(...).train()`, timed by its
-own `--step-times` report. Noise only ever adds time, so each run is summarised by its median and by
-its 10th-percentile step (the step nothing else got in the way of). Run under torchrun, one process.
+optimizer, so drift hits both alike. Ours is the project's real data, model, optimizer and Trainer
+assembled by its own `train_on` (task.py's loss included), timed by its own `--step-times` report.
+Noise only ever adds time, so each run is summarised by its median and by its 10th-percentile step
+(the step nothing else got in the way of). Run under torchrun, one process.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from common import finish, make_optimizer
-from ddp_project.config import Config
-from ddp_project.data import build_loader, synthetic_regression
-from ddp_project.distributed import World
-from ddp_project.model import MLP
-from ddp_project.trainer import Trainer
+from ddp_project.config import parse_args
+from ddp_project.environments import World
+from ddp_project.lifeline import Lifeline
+from ddp_project.task import MLP, synthetic_regression
+from ddp_project.train import train_on
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 WARMUP_STEPS = 20  # dropped, as everywhere in the benchmark
@@ -36,28 +37,27 @@ def step_stats(ends: list[float]) -> tuple[float, float]:
     return statistics.median(ms), statistics.quantiles(ms, n=10)[0]
 
 
-def ours(cfg: Config, data, world: World) -> tuple[float, float]:
-    torch.manual_seed(0)
-    loader = build_loader(data, 0, 1, cfg.batch_size, cfg.seed)
-    trainer = Trainer(cfg, world, MLP(cfg.hidden_size, cfg.num_layers), loader, [torch.device("cpu")], "gloo")
-    trainer.train()
-    with open(cfg.step_times) as f:
+def ours(argv: list[str], world: World, lifeline: Lifeline, step_times: str) -> tuple[float, float]:
+    train_on(parse_args(argv), world, "gloo", [torch.device("cpu")], lifeline)
+    with open(step_times) as f:
         return step_stats(json.load(f)["step_ends"])
 
 
-def raw(cfg: Config, data) -> tuple[float, float]:
+def raw(size: int, batch_size: int, hidden: int, layers: int) -> tuple[float, float]:
     torch.manual_seed(0)
-    model = MLP(cfg.hidden_size, cfg.num_layers)
+    data = synthetic_regression(size, seed=0)
+    x_all, y_all = data.tensors
+    model = MLP(hidden, layers)
     ddp, opt = DDP(model), make_optimizer(model.parameters())
     ends = []
-    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
-    for start in range(0, len(data), cfg.batch_size):
-        idx = order[start:start + cfg.batch_size]
-        loss = F.mse_loss(ddp(data.x[idx]), data.y[idx])
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(0))
+    for start in range(0, size, batch_size):
+        idx = order[start:start + batch_size]
+        loss = F.mse_loss(ddp(x_all[idx]), y_all[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        ends.append(time.time())  # the same clock as the Trainer's --step-times report
+        ends.append(time.perf_counter())  # the same clock as the project's StepClock
     return step_stats(ends)
 
 
@@ -72,18 +72,19 @@ def main() -> None:
     args = p.parse_args()
     dist.init_process_group("gloo")
     world = World(rank=0, local_rank=0, world_size=1, local_world_size=1, launcher="torchrun")
-    data = synthetic_regression(args.dataset_size, seed=0)
+    lifeline = Lifeline(0, 300.0)  # not started: ours runs in this process, signals stay default
     ours_ms, raw_ms = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        # The project's defaults, minus what the raw loop does not do either: validation, progress bar,
-        # per-epoch checkpoints (the one final save happens after the last timed step).
-        cfg = Config(epochs=1, batch_size=args.batch_size, dataset_size=args.dataset_size,
-                     hidden_size=args.hidden_size, num_layers=args.num_layers, val_fraction=0.0, progress=False,
-                     save_every=0, resume="never", output_dir=f"{tmp}/runs", checkpoint_dir=f"{tmp}/ck",
-                     step_times=f"{tmp}/steps.json")
-        for _ in range(args.pairs):
-            ours_ms.append(ours(cfg, data, world))
-            raw_ms.append(raw(cfg, data))
+        # The project's defaults, minus what the raw loop does not do either: validation, progress
+        # bar, per-epoch checkpoints (the one final save happens after the last timed step).
+        argv = ["--epochs", "1", "--batch-size", str(args.batch_size), "--dataset-size",
+                str(args.dataset_size), "--hidden-size", str(args.hidden_size), "--num-layers",
+                str(args.num_layers), "--val-fraction", "0", "--no-progress", "--save-every", "0",
+                "--resume", "never", "--step-times", f"{tmp}/steps.json"]
+        for i in range(args.pairs):
+            run_dirs = ["--output-dir", f"{tmp}/runs{i}", "--checkpoint-dir", f"{tmp}/ck{i}"]
+            ours_ms.append(ours(argv + run_dirs, world, lifeline, f"{tmp}/steps.json"))
+            raw_ms.append(raw(args.dataset_size, args.batch_size, args.hidden_size, args.num_layers))
     report = {"pairs": args.pairs, "steps_per_run": -(-args.dataset_size // args.batch_size),
               "ours_ms": ours_ms, "raw_ms": raw_ms}
     for i, name in enumerate(["median", "p10"]):  # median over pairs of ours minus raw, per statistic

@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import StepClock, autocast, finish, make_optimizer, parse, setup
+from common import StepClock, autocast, finish, make_optimizer, parse, setup, write_result
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 args = parse()
@@ -11,8 +11,8 @@ data, model, device = setup(args)
 rank, world = dist.get_rank(), dist.get_world_size()
 ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
 opt = make_optimizer(model.parameters())
-x_all, y_all = data.x.to(device), data.y.to(device)
-clock = StepClock(device)
+x_all, y_all = (t.to(device) for t in data.tensors)
+clock = StepClock(device, cuda_events=True)
 per_rank = args.dataset_size // world
 for epoch in range(args.epochs):
     g = torch.Generator().manual_seed(epoch)
@@ -26,5 +26,5 @@ for epoch in range(args.epochs):
         loss.backward()
         opt.step()
         clock.tick()
-clock.write(args.result)
+write_result(clock, args.result)
 finish()

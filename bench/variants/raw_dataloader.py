@@ -1,7 +1,7 @@
 """The same loop fed by DataLoader + DistributedSampler with per-sample indexing and default collate."""
 
 import torch.nn.functional as F
-from common import StepClock, autocast, finish, make_optimizer, parse, setup
+from common import StepClock, autocast, finish, make_optimizer, parse, setup, write_result
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -9,10 +9,10 @@ args = parse()
 data, model, device = setup(args)
 ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
 opt = make_optimizer(model.parameters())
-dataset = TensorDataset(data.x, data.y)
+dataset = TensorDataset(*data.tensors)
 sampler = DistributedSampler(dataset, seed=0)
 loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")
-clock = StepClock(device)
+clock = StepClock(device, cuda_events=True)
 for epoch in range(args.epochs):
     sampler.set_epoch(epoch)
     for x, y in loader:
@@ -24,5 +24,5 @@ for epoch in range(args.epochs):
         loss.backward()
         opt.step()
         clock.tick()
-clock.write(args.result)
+write_result(clock, args.result)
 finish()

@@ -5,7 +5,7 @@ moves each batch to the device as the tutorial does, under the GPU mode's bf16 a
 
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import StepClock, autocast, finish, make_optimizer, parse, setup
+from common import StepClock, autocast, finish, make_optimizer, parse, setup, write_result
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -50,10 +50,10 @@ class Trainer:
 
 args = parse()
 data, model, device = setup(args)
-dataset = PairDataset(data.x, data.y)
+dataset = PairDataset(*data.tensors)
 loader = DataLoader(dataset, batch_size=args.batch_size, pin_memory=False, shuffle=False,
                     sampler=DistributedSampler(dataset))
-clock = StepClock(device)
+clock = StepClock(device, cuda_events=True)
 Trainer(model, loader, make_optimizer(model.parameters()), clock, device).train(args.epochs)
-clock.write(args.result)
+write_result(clock, args.result)
 finish()

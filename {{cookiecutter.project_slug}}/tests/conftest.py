@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -85,6 +86,29 @@ def summary(output_dir: Path) -> dict:
     return json.loads((output_dir / "summary.json").read_text())
 
 
+def ckpt_name(step: int) -> str:
+    """The name of step `step`'s checkpoint in this project's default layout."""
+    from {{ cookiecutter.package_name }}.checkpoint import checkpoint_path
+    from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT
+
+    return checkpoint_path("", step, sharded=DEFAULT_MODEL_LAYOUT == "fsdp").name
+
+
+def load_state(path: Path) -> dict:
+    """Everything in a checkpoint, file or folder, as one dict of plain values and tensors."""
+    from {{ cookiecutter.package_name }}.checkpoint import load_checkpoint, read_meta
+
+    if not path.is_dir():
+        return load_checkpoint(path)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = path.parent / f"{path.name}-whole.pt"
+    dcp_to_torch_save(str(path), str(whole))
+    state = torch.load(whole, map_location="cpu", weights_only=True)
+    whole.unlink()
+    return {**state, **read_meta(path)}
+
+
 def final_model(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """The model of the newest checkpoint (file or folder) in `checkpoint_dir`."""
     from {{ cookiecutter.package_name }}.checkpoint import export, list_checkpoints, load_checkpoint
@@ -100,6 +124,11 @@ def assert_same_model(expected: dict[str, torch.Tensor], got: dict[str, torch.Te
     assert expected.keys() == got.keys()
     for key, value in expected.items():
         assert torch.equal(value, got[key]), f"{key} differs"
+
+
+# fsdp's sharded checkpoints go through torch.distributed.checkpoint, which needs numpy.
+needs_numpy = pytest.mark.skipif(importlib.util.find_spec("numpy") is None,
+                                 reason="--model-layout fsdp needs numpy: pip install numpy")
 
 
 @pytest.fixture

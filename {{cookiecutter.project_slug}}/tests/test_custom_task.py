@@ -9,6 +9,7 @@ import shutil
 import pytest
 from conftest import (
     PROJECT_ROOT,
+    needs_numpy,
     assert_same_model,
     final_model,
     ok,
@@ -98,7 +99,8 @@ def custom_project(tmp_path):
     return root
 
 
-@pytest.mark.parametrize("layout", ["data_parallel", "model_parallel_2", "fsdp"])
+@pytest.mark.parametrize("layout", ["data_parallel", "model_parallel_2",
+                                    pytest.param("fsdp", marks=needs_numpy)])
 def test_a_task_of_dicts_trains_evaluates_and_resumes(custom_project, layout):
     def train(*extra):
         return ok(run_cmd([*torchrun_cmd(2), "train.py", *ARGS, "--model-layout", layout, *extra],

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from conftest import (
     PROJECT_ROOT,
+    ckpt_name,
+    load_state,
     final_model,
     ok,
     python_train,
@@ -62,7 +64,8 @@ def test_grad_accumulation_exchanges_gradients_once_per_group(tmp_path, monkeypa
     steps = {}
     for accum in (1, 4):
         calls.clear()
-        cfg = parse_args([*SMALL, "--batch-size", "8", "--dataset-size", "256", "--epochs", "1",
+        cfg = parse_args([*SMALL, "--model-layout", "data_parallel", "--batch-size", "8",
+                          "--dataset-size", "256", "--epochs", "1",
                           "--no-progress", "--grad-accum", str(accum), "--checkpoint-dir",
                           f"c{accum}", "--output-dir", f"r{accum}", "--val-fraction", "0"])
         done = run(cfg, World(0, 0, 1, 1, "none", "127.0.0.1", find_free_port(), f"a{accum}"))
@@ -80,7 +83,7 @@ def test_warmup_cosine_schedule_clipping_and_weight_decay(workdir):
     assert len(lrs) == 32
     assert lrs[:8] == sorted(lrs[:8]) and lrs[7] == pytest.approx(0.01)  # warm-up to the peak
     assert lrs[8:] == sorted(lrs[8:], reverse=True) and lrs[-1] < 1e-6  # cosine down to zero
-    state = torch.load(workdir / "checkpoints/ckpt_step00000032.pt", weights_only=True)
+    state = load_state(workdir / "checkpoints" / ckpt_name(32))
     assert state["optimizer"]["param_groups"][0]["weight_decay"] == 0.05
     assert state["optim"]["scheduler"]["last_epoch"] == 32 and state["config"]["clip_grad"] == 0.5
 

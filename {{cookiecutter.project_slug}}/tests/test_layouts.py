@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import (
     assert_same_model,
+    needs_numpy,
     final_model,
     ok,
     one_error,
@@ -104,7 +105,8 @@ def test_fp16_on_cpu_is_one_error_line(workdir):
 
 
 def test_sync_bn_is_skipped_with_a_warning_on_cpu(workdir):
-    result = ok(torchrun([*QUICK, "--epochs", "1", "--batch-norm", "--sync-bn"], workdir))
+    result = ok(torchrun([*QUICK, "--epochs", "1", "--batch-norm", "--sync-bn", "--model-layout",
+                          "data_parallel"], workdir))
     assert result.stderr.count("warning: --sync-bn needs CUDA") == 1
     state = torch.load(workdir / "checkpoints/ckpt_step00000008.pt", weights_only=True)
     assert any(key.endswith("running_mean") for key in state["model"])
@@ -140,6 +142,7 @@ dist.destroy_process_group()
 """
 
 
+@needs_numpy
 def test_fsdp_keeps_about_half_the_state_per_rank_at_two_ranks(workdir):
     from conftest import run_cmd, torchrun_cmd
     script = workdir / "memory.py"
@@ -157,6 +160,7 @@ def test_fsdp_keeps_about_half_the_state_per_rank_at_two_ranks(workdir):
 FSDP = [*QUICK, "--model-layout", "fsdp", "--save-every-steps", "4"]
 
 
+@needs_numpy
 def test_fsdp_trains_saves_sharded_and_resumes_on_one_and_two_ranks(workdir):
     ok(torchrun([*FSDP, "--epochs", "2", "--checkpoint-dir", "a"], workdir))  # uninterrupted
     done = summary(workdir / "runs/latest")
@@ -174,6 +178,7 @@ def test_fsdp_trains_saves_sharded_and_resumes_on_one_and_two_ranks(workdir):
     assert summary(workdir / "runs/latest")["resumed_from"].endswith("ckpt_step00000016")
 
 
+@needs_numpy
 def test_fsdp_checkpoint_exports_to_the_plain_model(workdir):
     from conftest import PROJECT_ROOT, run_cmd
     ok(torchrun([*QUICK, "--epochs", "1", "--model-layout", "fsdp"], workdir))
@@ -186,7 +191,8 @@ def test_fsdp_checkpoint_exports_to_the_plain_model(workdir):
     assert exported["step"] == 8 and exported["world_size"] == 2
 
 
-@pytest.mark.parametrize("layout", ["data_parallel", "fsdp"])
+@pytest.mark.parametrize("layout", ["data_parallel",
+                                    pytest.param("fsdp", marks=needs_numpy)])
 def test_async_save_trains_on_while_writing_and_reports_the_stall(workdir, layout):
     ok(torchrun([*QUICK, "--epochs", "2", "--save-every-steps", "2", "--async-save",
                  "--model-layout", layout], workdir))

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     TRAIN,
+    ckpt_name,
     child_env,
     ok,
     one_error,
@@ -237,7 +238,7 @@ def test_keep_last_never_deletes_another_runs_checkpoints(workdir):
                               "2", "--save-every-steps", "1"], workdir))
     assert "moved checkpoints of another run" in result.stdout
     mine = [p.name for p in list_checkpoints(workdir / "checkpoints")]
-    assert mine == ["ckpt_step00000002.pt"], "this run keeps its newest"
+    assert mine == [ckpt_name(2)], "this run keeps its newest"
     aside = [p for p in (workdir / "checkpoints").iterdir() if p.name.startswith("earlier-")]
     assert {p.name for p in aside[0].iterdir()} == theirs, "the other run's are all still there"
 
@@ -267,7 +268,7 @@ def test_a_loss_that_becomes_nan_names_the_newest_good_checkpoint(workdir):
                             env=child_env(), capture_output=True, text=True, timeout=120)
     line = one_error(result)
     assert "the loss became nan by step 6; the newest good checkpoint is" in line
-    assert "ckpt_step00000004.pt" in line
+    assert ckpt_name(4) in line
     losses = [m["loss"] for m in read_metrics(workdir / "runs/latest")]
     assert all(loss == loss for loss in losses), "nothing after the nan was logged as training"
 

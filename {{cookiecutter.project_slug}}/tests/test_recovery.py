@@ -17,6 +17,7 @@ from conftest import (
     TRAIN,
     assert_same_model,
     child_env,
+    ckpt_name,
     final_model,
     ok,
     python_train,
@@ -159,12 +160,13 @@ def test_a_stop_signal_during_start_up_exits_cleanly(workdir):
 def test_truncated_newest_checkpoint_falls_back_to_the_previous(workdir):
     small = ["--dataset-size", "256", "--hidden-size", "16"]
     ok(torchrun([*small, "--epochs", "2"], workdir))  # checkpoints at steps 4 and 8
-    newest = workdir / "checkpoints/ckpt_step00000008.pt"
-    newest.write_bytes(newest.read_bytes()[:1000])  # as if the machine died during a copy
+    newest = workdir / "checkpoints" / ckpt_name(8)
+    damaged = newest / ".metadata" if newest.is_dir() else newest
+    damaged.write_bytes(damaged.read_bytes()[:1000])  # as if the machine died during a copy
     result = ok(torchrun([*small, "--epochs", "3"], workdir))
     assert "warning: skipping unreadable checkpoint" in result.stderr
     done = summary(workdir / "runs/latest")
-    assert done["resumed_from"].endswith("ckpt_step00000004.pt") and done["steps"] == 12
+    assert done["resumed_from"].endswith(ckpt_name(4)) and done["steps"] == 12
 
 
 def test_mid_epoch_checkpoint_resumes_with_another_world_size(workdir):

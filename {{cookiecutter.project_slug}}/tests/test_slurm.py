@@ -125,7 +125,7 @@ def test_time_limit_signal_requeues_and_the_requeued_job_resumes(workdir, slurm_
     job = subprocess.Popen(["bash", script, *args], cwd=workdir, env=child_env(**env), text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while not list((workdir / "ck").glob("ckpt_step*.pt")) and time.monotonic() < deadline:
+    while not list((workdir / "ck").glob("ckpt_step*")) and time.monotonic() < deadline:
         time.sleep(0.01)
     os.kill(job.pid, signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@120` sends near the limit
     out, err = job.communicate(timeout=120)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from conftest import (
     PROJECT_ROOT,
     assert_same_model,
+    ckpt_name,
     final_model,
+    load_state,
     ok,
     one_error,
     path_with,
@@ -42,8 +43,8 @@ def test_two_process_training_learns_and_leaves_its_files(workdir):
     assert '"batch_size": 16' in config
 
     checkpoints = list_checkpoints(workdir / "checkpoints")
-    assert [p.name for p in checkpoints] == [f"ckpt_step{s:08d}.pt" for s in (48, 32, 16)]
-    state = torch.load(checkpoints[0], map_location="cpu", weights_only=True)
+    assert [p.name for p in checkpoints] == [ckpt_name(s) for s in (48, 32, 16)]
+    state = load_state(checkpoints[0])
     assert {"model", "optimizer", "epoch", "step", "world_size", "config"} <= state.keys()
     assert state["world_size"] == 2 and state["step"] == 48 and state["epoch"] == 3
     assert not any(key.startswith("module.") for key in state["model"])
@@ -64,7 +65,7 @@ def test_resume_mid_epoch_matches_an_uninterrupted_run(workdir):
     assert "resumed from" in resumed.stdout and "max_steps: 21 -> 0" in resumed.stdout
 
     done = summary(workdir / "b/runs")
-    assert done["resumed_from"].endswith("ckpt_step00000021.pt") and done["steps"] == 32
+    assert done["resumed_from"].endswith(ckpt_name(21)) and done["steps"] == 32
     assert [m["step"] for m in read_metrics(workdir / "b/runs")][-2:] == [30, 32]
     assert_same_model(final_model(workdir / "a/ck"), final_model(workdir / "b/ck"))
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .checkpoint import META, CheckpointDir, checkpoint_path
+from .failures import SetupError
 from .resume import agree
 
 
@@ -102,13 +104,19 @@ class ShardedCheckpoints:
             (tmp / META).write_text(json.dumps(meta))
             self.ckpt_dir.commit(tmp, final)
 
-        if not self.background:
-            dcp.save(state, checkpoint_id=str(tmp))
-            agree(commit, self.comm_device)
-            return
-        if self._group is None:  # background saves talk over a group of their own
-            self._group = dist.new_group(backend="gloo")
-        self._pending = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+        try:
+            if not self.background:
+                dcp.save(state, checkpoint_id=str(tmp))
+                agree(commit, self.comm_device)
+                return
+            if self._group is None:  # background saves talk over a group of their own
+                self._group = dist.new_group(backend="gloo")
+            self._pending = dcp.async_save(state, checkpoint_id=str(tmp),
+                                           process_group=self._group)
+        except CheckpointException as exc:  # a full disk, a folder that went away
+            raise SetupError(f"cannot write checkpoint {final} "
+                             f"({str(exc).strip().splitlines()[0]}); free space or choose "
+                             "another --checkpoint-dir", everywhere=True) from None
         if self.ckpt_dir is not None:
             pending = self._pending
             self.ckpt_dir.in_background(lambda: (pending.result(), commit()))
@@ -116,6 +124,11 @@ class ShardedCheckpoints:
     def wait(self) -> None:
         """Every rank: wait for the save in flight; rank 0's commit result reaches all ranks."""
         if self._pending is not None:
-            self._pending.result()
-            self._pending = None
+            pending, self._pending = self._pending, None
+            try:
+                pending.result()
+            except (Exception, CheckpointException) as exc:
+                raise SetupError(f"a background checkpoint save failed "
+                                 f"({str(exc).strip().splitlines()[0]}); free space or choose "
+                                 "another --checkpoint-dir", everywhere=True) from None
             agree(lambda: self.ckpt_dir.wait(), self.comm_device)
