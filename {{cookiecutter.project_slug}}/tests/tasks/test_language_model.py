@@ -16,7 +16,8 @@ def test_perplexity_falls_far_below_guessing(workdir):
     losses = [m["loss"] for m in read_metrics(workdir / "runs/latest")]
     assert losses[-1] < 0.5 * losses[0], "the training loss did not fall"
     final = read_metrics(workdir / "runs/latest", "val_loss")[-1]
-    assert final["val_perplexity"] < 8  # guessing among the 256 byte values: 256
+    # Guessing among the 256 byte values: 256; the letters' frequencies alone: about 14.
+    assert final["val_perplexity"] < 7
 
 
 def test_text_file_is_read_one_window_at_a_time_by_worker_processes(workdir):

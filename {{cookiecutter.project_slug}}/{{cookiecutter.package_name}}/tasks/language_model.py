@@ -41,7 +41,7 @@ def synthetic_text(windows: int, seed: int) -> InMemoryDataset:
     g = torch.Generator().manual_seed(seed)
     letters = "etaoinshrdlucmfw"
     words = ["".join(letters[i] for i in torch.randint(len(letters), (int(n),), generator=g))
-             for n in torch.randint(2, 7, (64,), generator=g)]
+             for n in torch.randint(2, 7, (24,), generator=g)]
     needed = windows * SEQ_LEN + 1
     picks = torch.randint(len(words), (needed // 3 + 1,), generator=g).tolist()
     text = (" ".join(words[i] for i in picks) + ". ").encode()[:needed]
