@@ -16,7 +16,7 @@ def truthy(value) -> bool:
 UNUSED = {
     "slurm": ["scripts/slurm", "tests/test_slurm.py"],
     "windows_support": ["scripts/train_windows.ps1"],
-    "kubernetes": ["Dockerfile", ".dockerignore", "k8s", "tests/test_kubernetes.py"],
+    "kubernetes": ["Dockerfile", ".dockerignore", "k8s"],
     "github_actions": [".github"],
 }
 

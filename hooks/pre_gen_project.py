@@ -9,7 +9,6 @@ import json
 import keyword
 import re
 import sys
-from pathlib import Path
 
 # The answers arrive as JSON so quotes or backslashes in free text cannot break this file.
 ANSWERS = json.loads(r"""{{ cookiecutter | tojson }}""")

@@ -16,6 +16,10 @@ if [[ "$ENDPOINT" == "-" ]]; then
   ENDPOINT="${MASTER_ADDR:?set MASTER_ADDR or pass HEAD_HOST}:${MASTER_PORT:-29400}"
 fi
 [[ "$ENDPOINT" == *:* ]] || ENDPOINT="$ENDPOINT:29400"
+# A node whose torchrun is restarted must be able to rejoin: with the store torchrun shares with
+# its training processes by default, it waits forever on keys of the old round
+# (https://github.com/pytorch/pytorch/issues/135712). A store of their own avoids that.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 NPROC=${NPROC:-$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 2)")}

@@ -9,9 +9,9 @@ import shutil
 import pytest
 from conftest import (
     PROJECT_ROOT,
-    needs_numpy,
     assert_same_model,
     final_model,
+    needs_numpy,
     ok,
     read_metrics,
     run_cmd,

@@ -235,7 +235,8 @@ def test_windows_path_trains_with_platform_patched(monkeypatch, tmp_path: Path):
 
 def test_nccl_settings_fail_fast_leave_a_trace_and_never_override_the_user(tmp_path):
     env = nccl_env(tmp_path / "out", {})
-    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     dump = str((tmp_path / "out").resolve() / "nccl_flight_recorder" / "rank_")
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == dump
     assert int(env["TORCH_FR_BUFFER_SIZE"]) > 0

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from conftest import (
     PROJECT_ROOT,
     ckpt_name,
-    load_state,
     final_model,
+    load_state,
     ok,
     python_train,
     read_metrics,

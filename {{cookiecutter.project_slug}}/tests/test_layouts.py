@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import (
     assert_same_model,
-    needs_numpy,
     final_model,
+    needs_numpy,
     ok,
     one_error,
     read_metrics,

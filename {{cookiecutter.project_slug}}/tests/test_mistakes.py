@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import (
     TRAIN,
-    ckpt_name,
     child_env,
+    ckpt_name,
     ok,
     one_error,
     python_train,

@@ -131,7 +131,8 @@ def test_preemption_signal_saves_and_exits_cleanly(workdir, reference, how):
 def test_a_second_ctrl_c_exits_at_once(workdir):
     # One long epoch of single-sample steps: nothing ends it before the second Ctrl-C.
     job = subprocess.Popen([sys.executable, TRAIN, *FLAGS, "--dataset-size", "8192",
-                            "--batch-size", "1", "--log-every", "100000"], cwd=workdir, env=child_env(), stdout=subprocess.PIPE,
+                            "--batch-size", "1", "--log-every", "100000"], cwd=workdir,
+                           env=child_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     wait_for_checkpoint(workdir / "checkpoints", 4)
     job.send_signal(signal.SIGINT)

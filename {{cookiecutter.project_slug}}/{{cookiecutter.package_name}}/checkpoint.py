@@ -215,6 +215,14 @@ class CheckpointDir:
         self.prune()
         return path
 
+    def save_file_in_background(self, state: dict[str, Any], step: int, staging: Staging) -> None:
+        """Copy the state to memory, then write it while training goes on (--async-save)."""
+        self.wait()  # the staging buffers are free again only after the previous save
+        snapshot = staging.copy(state)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies out of GPU memory have landed
+        self.in_background(lambda: self.save_file(snapshot, step))
+
     def in_background(self, job: Callable[[], None]) -> None:
         """Run `job` (a save) on a thread; at most one at a time: wait for the previous first."""
         self.wait()

@@ -17,8 +17,10 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -118,3 +120,42 @@ class PeerErrors:
             f"rank {self.rank}: communication with the other ranks failed ({first_line}); "
             f"rank(s) that stopped answering: {silent}. A rank that dies or hangs longer than "
             f"--timeout-s={timeout_s:g} ends the job; see that rank's own output for why")
+
+
+def broadcast_text(text: str | None, device: torch.device) -> str | None:
+    """Rank 0's `text` on every rank (None stays None)."""
+    data = text.encode() if dist.get_rank() == 0 and text is not None else b""
+    length = torch.tensor([len(data) if dist.get_rank() != 0 or text is not None else -1],
+                          dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    n = int(length.item())
+    if n < 0:
+        return None
+    buffer = torch.zeros(n, dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0 and n:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0)
+    return bytes(buffer.tolist()).decode()
+
+
+def agree(decide: Callable[[], str | None], device: torch.device) -> str | None:
+    """Rank 0 runs `decide`; every rank returns its result, or raises its SetupError.
+
+    Rank 0's failure reaches the others as a message, not as a broken connection, so every
+    rank's output points to the real reason (the others stay quiet when they share rank 0's
+    machine, whose own line already says it)."""
+    outcome: str | None = None
+    if dist.get_rank() == 0:
+        try:
+            result = decide()
+            outcome = "ok\n" + ("" if result is None else "=" + result)
+        except SetupError as exc:
+            outcome = f"error\n{socket.gethostname()}\n{exc}"
+            broadcast_text(outcome, device)
+            raise
+    outcome = broadcast_text(outcome, device)
+    status, _, rest = outcome.partition("\n")
+    if status == "error":
+        host, _, message = rest.partition("\n")
+        raise SetupError(f"rank 0 on {host}: {message}", quiet=host == socket.gethostname())
+    return rest[1:] if rest.startswith("=") else None

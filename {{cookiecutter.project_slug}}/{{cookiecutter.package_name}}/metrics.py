@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .failures import SetupError
 from .trackers import Tracker, open_tracker
@@ -169,6 +170,22 @@ class StepProfiler:
             self.profile.stop()
             self.profile = None
             print(f"profile of steps {first}-{last}: {self.folder.resolve()}", flush=True)
+
+
+def log_step_stats(loss_sum: torch.Tensor, count: int, stop: bool, device: torch.device,
+                   comm_device: torch.device) -> tuple[float, bool, list[float], list[float]]:
+    """One all_reduce for a log step: the mean loss over ranks and steps, whether any rank was
+    asked to stop, and every rank's peak memory (each rank fills its own slots: a gather)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stats = torch.zeros(3 + 2 * world, device=comm_device)
+    stats[0] = loss_sum.float().to(comm_device)
+    stats[1] = count
+    stats[2] = float(stop)
+    stats[3 + rank], stats[3 + world + rank] = peak_memory_mb(device)
+    dist.all_reduce(stats)
+    values = stats.tolist()
+    return (values[0] / values[1], values[2] > 0, [round(v, 1) for v in values[3:3 + world]],
+            [round(v, 1) for v in values[3 + world:]])
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, float]:

@@ -39,5 +39,5 @@ def startup_timeout_s(timeout_s: float, backend: str) -> float:
 
 def flight_recorder_hint(output_dir: str | Path) -> str:
     folder = Path(output_dir).resolve() / "nccl_flight_recorder"
-    return (f"NCCL's flight recorder wrote each rank's last collectives to {folder} (read them with "
-            f"`python -m torch.distributed.flight_recorder.fr_trace {folder} -p rank_`)")
+    return (f"NCCL's flight recorder wrote each rank's last collectives to {folder} (read them "
+            f"with `python -m torch.distributed.flight_recorder.fr_trace {folder} -p rank_`)")

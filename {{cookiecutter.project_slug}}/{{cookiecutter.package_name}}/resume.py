@@ -1,5 +1,5 @@
-"""What makes a resumed run continue exactly: the choice of checkpoint, agreed by every rank, and
-each rank's random-number state.
+"""What makes a resumed run continue exactly: which checkpoint (rank 0 chooses, every rank
+loads the same one), the position inside the epoch, and each rank's random-number state.
 
 Everything here talks to the other ranks through tensor collectives only. Object collectives
 (`broadcast_object_list`, `all_gather_object`) would unpickle whatever a peer sends, which can run
@@ -9,57 +9,17 @@ code, and they need numpy; tensors need neither.
 from __future__ import annotations
 
 import random
-import socket
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint import is_complete, list_checkpoints, read_meta
+from . import sharded
+from .checkpoint import is_complete, list_checkpoints, load_checkpoint, read_meta
+from .config import Config
 from .failures import SetupError
-
-
-# ---------------------------------------------------------------------- rank 0 decides, all know
-def broadcast_text(text: str | None, device: torch.device) -> str | None:
-    """Rank 0's `text` on every rank (None stays None)."""
-    data = text.encode() if dist.get_rank() == 0 and text is not None else b""
-    length = torch.tensor([len(data) if dist.get_rank() != 0 or text is not None else -1],
-                          dtype=torch.int64, device=device)
-    dist.broadcast(length, src=0)
-    n = int(length.item())
-    if n < 0:
-        return None
-    buffer = torch.zeros(n, dtype=torch.uint8, device=device)
-    if dist.get_rank() == 0 and n:
-        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buffer, src=0)
-    return bytes(buffer.tolist()).decode()
-
-
-def agree(decide: Callable[[], str | None], device: torch.device) -> str | None:
-    """Rank 0 runs `decide`; every rank returns its result, or raises its SetupError.
-
-    Rank 0's failure reaches the others as a message, not as a broken connection, so every
-    rank's output points to the real reason (the others stay quiet when they share rank 0's
-    machine, whose own line already says it)."""
-    outcome: str | None = None
-    if dist.get_rank() == 0:
-        try:
-            result = decide()
-            outcome = "ok\n" + ("" if result is None else "=" + result)
-        except SetupError as exc:
-            outcome = f"error\n{socket.gethostname()}\n{exc}"
-            broadcast_text(outcome, device)
-            raise
-    outcome = broadcast_text(outcome, device)
-    status, _, rest = outcome.partition("\n")
-    if status == "error":
-        host, _, message = rest.partition("\n")
-        raise SetupError(f"rank 0 on {host}: {message}", quiet=host == socket.gethostname())
-    return rest[1:] if rest.startswith("=") else None
 
 
 # ---------------------------------------------------------------------- which checkpoint
@@ -111,6 +71,48 @@ def check_same_shapes(model_state: dict[str, torch.Tensor], saved: dict[str, Any
     if extra:
         raise SetupError(f"checkpoint {path} has '{extra[0]}', which the model does not; "
                          f"{way_out}", everywhere=True)
+
+
+def load_snapshot(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  world_size: int, rank: int, batch_size: int,
+                  device: torch.device) -> dict[str, Any]:
+    """Load a checkpoint (file or folder, from any layout) into this rank's model and optimizer;
+    returns its metadata. Random states are restored when the world and batch size are the same:
+    then the run continues bit for bit."""
+    if path.is_dir():
+        meta = read_meta(path)
+        rng = sharded.load(path, model, optimizer)
+    else:
+        state = load_checkpoint(path, map_location="cpu")
+        check_same_shapes(model.state_dict(), state["model"], path)
+        sharded.set_full_state(model, optimizer, state["model"], state["optimizer"])
+        meta, rng = state, state.get("rng")
+    if (meta["world_size"], meta["batch_size"]) == (world_size, batch_size) and rng is not None:
+        unpack_rng_state(rng[rank], device)
+    return meta
+
+
+def restore_position(meta: dict[str, Any], cfg: Config, world_size: int, batches_per_epoch: int,
+                     path: Path, say: bool) -> tuple[int, int, int]:
+    """(epoch, batch of the epoch, step) to go on from. From another world or batch size: after
+    the same number of samples; if the data shrank below that: the next epoch."""
+    epoch, batch, step = meta["epoch"], meta["batch_in_epoch"], meta["step"]
+    per_batch = cfg.batch_size * world_size
+    if (meta["world_size"], meta["batch_size"]) != (world_size, cfg.batch_size):
+        seen = meta["samples_in_epoch"]
+        batch = seen // per_batch // cfg.grad_accum * cfg.grad_accum
+        if say and batch:
+            print(f"warning: checkpoint is from {meta['world_size']} processes x batch "
+                  f"{meta['batch_size']}; continuing epoch {epoch} after {batch * per_batch} of "
+                  f"the {seen} samples already seen (exact resume needs the same world and batch "
+                  "size)", file=sys.stderr, flush=True)
+    if batch >= batches_per_epoch:
+        if say:
+            print(f"warning: {path.name} is {batch} batches into epoch {epoch}, which now has "
+                  f"{batches_per_epoch}; going on with epoch {epoch + 1}", file=sys.stderr,
+                  flush=True)
+        epoch, batch = epoch + 1, 0
+    return epoch, batch, step
 
 
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:

@@ -27,8 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .checkpoint import META, CheckpointDir, checkpoint_path
-from .failures import SetupError
-from .resume import agree
+from .failures import SetupError, agree
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -25,6 +25,7 @@ from .config import Config, parse_args
 from .data import ShardedBatchSampler, build_loader, validation_batches
 from .distributed import assign_devices, cleanup, ddp_setup, resolve_backend, resolve_rendezvous
 from .environments import World, find_free_port, resolve_world
+from .evaluation import Evaluator
 from .failures import PeerErrors, SetupError, is_communication_failure, report_error
 from .lifeline import STOP_SIGNALS, Lifeline
 from .nccl import flight_recorder_hint, nccl_env, startup_timeout_s
@@ -48,7 +49,8 @@ def rendezvous_dir(cfg: Config) -> Path:
 
 
 def build_data(cfg: Config, world: World, pin_memory: bool) -> tuple[Any, ...]:
-    """task.build_datasets, sharded into this rank's batches and loaders."""
+    """task.build_datasets, sharded: this rank's batches and loader, and the validation
+    loader and its batches (None without a validation set)."""
     train_set, val_set = task.build_datasets(cfg)
     if len(train_set) == 0:
         raise SetupError("task.build_datasets returned an empty training set", everywhere=True)
@@ -73,14 +75,17 @@ def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device
         torch.backends.cudnn.benchmark = False
     seed_everything(cfg.seed)  # the same data and the same initial model on every rank
     batches, loader, val_batches, val_loader = build_data(cfg, world, devices[0].type == "cuda")
+    comm_device = devices[0] if backend == "nccl" else torch.device("cpu")
+    evaluator = (Evaluator(task, val_loader, val_batches, devices[0], comm_device)
+                 if val_loader is not None else None)
     model = parallelize(task.build_model(cfg), cfg, devices, task, world.is_main)
     steps_per_epoch = math.ceil(batches.batches_per_epoch() / cfg.grad_accum)
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     # fsdp on a GPU casts through its mixed-precision policy instead of autocast.
     autocast = not (cfg.model_layout == "fsdp" and devices[0].type == "cuda")
     optim = Optimization(model, cfg, devices[0], total_steps, autocast=autocast)
-    trainer = Trainer(cfg, world, task, model, optim, batches, loader, val_loader, val_batches,
-                      devices, backend, lifeline, STARTED_AT)
+    trainer = Trainer(cfg, world, task, model, optim, batches, loader, evaluator, devices[0],
+                      backend, lifeline, STARTED_AT)
     seed_everything(cfg.seed + world.rank)  # different random streams per rank from here on
     trainer.resume()
     return trainer.train()

@@ -2,8 +2,8 @@
 
 Per step it does what a hand-written DDP loop does and nothing more: the loss stays on the device
 and is averaged across ranks (one all_reduce, one host sync) only every --log-every steps, where
-the ranks also agree on stopping. What the model is and how its loss and metrics are computed comes
-from task.py.
+the ranks also agree on stopping. The model, its loss and its metrics come from task.py; the other
+jobs live in their own modules (optim, evaluation, checkpoint, resume, metrics).
 """
 
 from __future__ import annotations
@@ -22,22 +22,22 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import sharded
-from .checkpoint import CheckpointDir, Staging, checkpoint_path, load_checkpoint, read_meta
+from .checkpoint import CheckpointDir, Staging, checkpoint_path
 from .config import Config
 from .data import ShardedBatchSampler, move_to
 from .environments import World
-from .failures import SetupError
+from .evaluation import Evaluator
+from .failures import SetupError, agree
 from .lifeline import Lifeline
-from .metrics import MetricsWriter, Progress, StepClock, StepProfiler, peak_memory_mb
+from .metrics import MetricsWriter, Progress, StepClock, StepProfiler, log_step_stats
 from .optim import Optimization
 from .parallel import set_gradient_sync, unwrap
 from .resume import (
-    agree,
-    check_same_shapes,
     config_differences,
     gather_rng_states,
+    load_snapshot,
     pick_checkpoint,
-    unpack_rng_state,
+    restore_position,
 )
 from .workarounds import set_group_timeout
 
@@ -45,44 +45,42 @@ from .workarounds import set_group_timeout
 class Trainer:
     def __init__(self, cfg: Config, world: World, task: Any, model: nn.Module,
                  optim: Optimization, batches: ShardedBatchSampler, loader: Any,
-                 val_loader: Any | None, val_batches: Any | None, devices: list[torch.device],
-                 backend: str,
+                 evaluator: Evaluator | None, device: torch.device, backend: str,
                  lifeline: Lifeline, started_at: float) -> None:
         self.cfg, self.world, self.task, self.model, self.optim = cfg, world, task, model, optim
-        self.batches, self.loader, self.val_loader = batches, loader, val_loader
-        self.val_batches = val_batches
-        self.device, self.backend, self.lifeline = devices[0], backend, lifeline
+        self.batches, self.loader, self.evaluator = batches, loader, evaluator
+        self.device, self.backend, self.lifeline = device, backend, lifeline
         self.started_at = started_at  # process start: for "time to first step"
-        self.raw = unwrap(model)
+        self.raw = unwrap(model)  # the user's module: state_dicts without prefixes
         # Collectives of our own (not DDP's) run on the backend's device: CUDA for NCCL.
-        self.comm_device = self.device if backend == "nccl" else torch.device("cpu")
-        self.sharded = cfg.model_layout == "fsdp"
+        self.comm_device = device if backend == "nccl" else torch.device("cpu")
         self.ckpt_dir = CheckpointDir(cfg.checkpoint_dir, cfg.keep_last) if world.is_main else None
-        self.staging = Staging() if cfg.async_save else None
         self.dcp = (sharded.ShardedCheckpoints(self.ckpt_dir, cfg.checkpoint_dir, cfg.async_save,
-                                               self.comm_device) if self.sharded else None)
+                                               self.comm_device)
+                    if cfg.model_layout == "fsdp" else None)
+        self.staging = Staging() if cfg.async_save else None
         self.progress = Progress(cfg.progress and world.is_main)
-        self.clock = StepClock(self.device, cuda_events=bool(cfg.step_times))
-        self.profiler = StepProfiler(cfg.profile_range(), cfg.output_dir, world.is_main,
-                                     self.device)
+        self.clock = StepClock(device, cuda_events=bool(cfg.step_times))
+        self.profiler = StepProfiler(cfg.profile_range(), cfg.output_dir, world.is_main, device)
+        self.metrics = MetricsWriter(cfg.output_dir, False)  # rank 0's real one opens in train()
 
         # Position: the epoch being trained, the batches of it already done, optimizer steps.
         self.epoch, self.batch_in_epoch, self.step = 0, 0, 0
         self.resumed_from: str | None = None
         self.last_loss: float | None = None
         self.val_metrics: dict[str, float] = {}
+        self.peak_mem_mb: list[float] = []
         self.tracker_run_id: str | None = None
         self.stopped_by: str | None = None
         self._saved_step = -1
         self._set_aside = False  # other runs' checkpoints moved out of the folder yet?
         self._stalls_ms: list[float] = []  # how long training stood still for each save
-        self._loss_sum = torch.zeros((), device=self.device)
+        self._loss_sum = torch.zeros((), device=device)
         self._loss_count = 0
         self._samples = 0  # samples this rank trained on since the last log
         self._samples_total = 0
         self._first_step_s: float | None = None
         self._checked_loss = False
-        self._memory = (0.0, 0.0)
 
     # ---------------------------------------------------------------- resume
     def resume(self) -> None:
@@ -94,7 +92,8 @@ class Trainer:
             return
         path = Path(choice)
         try:
-            meta = self._load(path)
+            meta = load_snapshot(path, self.raw, self.optim.optimizer, self.world.world_size,
+                                 self.world.rank, self.cfg.batch_size, self.device)
         except SetupError:
             raise
         except (Exception, CheckpointException) as exc:  # its metadata read, but not all loads
@@ -102,9 +101,12 @@ class Trainer:
                              f"{str(exc).strip().splitlines()[0] if str(exc) else ''}); use "
                              "--resume with an older one, or --resume never",
                              everywhere=True) from exc
-        self._restore_position(meta, path)
-        self.resumed_from = str(path)
-        self._saved_step = self.step
+        self.optim.load_state_dict(meta["optim"])
+        self.last_loss, self.tracker_run_id = meta.get("last_loss"), meta.get("tracker_run_id")
+        self.epoch, self.batch_in_epoch, self.step = restore_position(
+            meta, self.cfg, self.world.world_size, self.batches.batches_per_epoch(), path,
+            say=self.world.is_main)
+        self.resumed_from, self._saved_step = str(path), self.step
         if self.world.is_main:
             print(f"resumed from {path} (epoch {self.epoch}, batch {self.batch_in_epoch}, step "
                   f"{self.step})", flush=True)
@@ -120,51 +122,13 @@ class Trainer:
         path = pick_checkpoint(self.cfg.resume, self.cfg.checkpoint_dir)
         return None if path is None else str(path)
 
-    def _load(self, path: Path) -> dict[str, Any]:
-        if path.is_dir():
-            meta = read_meta(path)
-            rng = sharded.load(path, self.raw, self.optim.optimizer)
-        else:
-            state = load_checkpoint(path, map_location="cpu")
-            check_same_shapes(self.raw.state_dict(), state["model"], path)
-            sharded.set_full_state(self.raw, self.optim.optimizer, state["model"],
-                                   state["optimizer"])
-            meta, rng = state, state.get("rng")
-        self.optim.load_state_dict(meta["optim"])
-        self.last_loss = meta.get("last_loss")
-        self.tracker_run_id = meta.get("tracker_run_id")
-        same_world = (meta["world_size"], meta["batch_size"]) == (self.world.world_size,
-                                                                  self.cfg.batch_size)
-        if same_world and rng is not None:
-            unpack_rng_state(rng[self.world.rank], self.device)  # bit-for-bit continuation
-        return meta
-
-    def _restore_position(self, meta: dict[str, Any], path: Path) -> None:
-        self.epoch, self.batch_in_epoch, self.step = (meta["epoch"], meta["batch_in_epoch"],
-                                                      meta["step"])
-        per_batch = self.cfg.batch_size * self.world.world_size
-        if (meta["world_size"], meta["batch_size"]) != (self.world.world_size, self.cfg.batch_size):
-            # Other shards and batch sizes: continue after the same number of samples.
-            seen = meta["samples_in_epoch"]
-            accum = self.cfg.grad_accum
-            self.batch_in_epoch = seen // per_batch // accum * accum
-            if self.world.is_main and self.batch_in_epoch:
-                print(f"warning: checkpoint is from {meta['world_size']} processes x batch "
-                      f"{meta['batch_size']}; continuing epoch {self.epoch} after "
-                      f"{self.batch_in_epoch * per_batch} of the {seen} samples already seen "
-                      "(exact resume needs the same world and batch size)", file=sys.stderr,
-                      flush=True)
-        if self.batch_in_epoch >= self.batches.batches_per_epoch():
-            # The data shrank since the checkpoint: this epoch is already done.
-            if self.world.is_main:
-                print(f"warning: {path.name} is {self.batch_in_epoch} batches into epoch "
-                      f"{self.epoch}, which now has {self.batches.batches_per_epoch()}; going on "
-                      f"with epoch {self.epoch + 1}", file=sys.stderr, flush=True)
-            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-
     # ---------------------------------------------------------------- checkpoints
-    def _meta(self) -> dict[str, Any]:
-        return {
+    def _save_snapshot(self) -> None:
+        """Every rank's random state goes into the checkpoint; rank 0 writes it (fsdp: every rank
+        writes its shards), and every rank learns whether that worked before going on."""
+        started = time.perf_counter()
+        rng = gather_rng_states(self.device, self.comm_device)
+        meta = {
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "samples_in_epoch": self.batch_in_epoch * self.cfg.batch_size * self.world.world_size,
@@ -177,13 +141,6 @@ class Trainer:
             "tracker_run_id": self.tracker_run_id,
             "config": self.cfg.to_dict(),
         }
-
-    def _save_snapshot(self) -> None:
-        """Every rank's random state goes into the checkpoint; rank 0 writes it (fsdp: every rank
-        writes its shards), and every rank learns whether that worked before going on."""
-        started = time.perf_counter()
-        rng = gather_rng_states(self.device, self.comm_device)
-        meta = self._meta()
         if self.dcp is not None:
             self.dcp.save(self.raw, self.optim.optimizer, rng, meta, self.step,
                           self._prepare_folder)
@@ -191,6 +148,15 @@ class Trainer:
             agree(lambda: self._write_file(rng, meta), self.comm_device)
         self._saved_step = self.step
         self._stalls_ms.append(1000 * (time.perf_counter() - started))
+
+    def _write_file(self, rng: torch.Tensor, meta: dict[str, Any]) -> None:
+        self._prepare_folder()
+        state = {"model": self.raw.state_dict(), "optimizer": self.optim.optimizer.state_dict(),
+                 "rng": rng, **meta}
+        if self.staging is None:
+            self.ckpt_dir.save_file(state, self.step)
+        else:
+            self.ckpt_dir.save_file_in_background(state, self.step, self.staging)
 
     def _prepare_folder(self) -> None:
         """Rank 0, before this run's first save: other runs' checkpoints move aside."""
@@ -200,20 +166,6 @@ class Trainer:
                 print(f"note: moved checkpoints of another run (or later than the one resumed) "
                       f"to {moved}", flush=True)
             self._set_aside = True
-
-    def _write_file(self, rng: torch.Tensor, meta: dict[str, Any]) -> None:
-        self._prepare_folder()
-        state = {"model": self.raw.state_dict(), "optimizer": self.optim.optimizer.state_dict(),
-                 "rng": rng, **meta}
-        if self.staging is None:
-            self.ckpt_dir.save_file(state, self.step)
-            return
-        self.ckpt_dir.wait()  # the staging buffers are free again only after the previous save
-        snapshot = self.staging.copy(state)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        step = self.step
-        self.ckpt_dir.in_background(lambda: self.ckpt_dir.save_file(snapshot, step))
 
     def _finish_saves(self) -> None:
         """Wait for a background save (and learn its outcome) before the process ends."""
@@ -280,11 +232,7 @@ class Trainer:
             self.clock.tick()
             self.profiler.step_done(self.step)
             if self._first_step_s is None:
-                self._first_step_s = time.time() - self.started_at
-                if self.backend == "nccl":  # start-up had longer: training gets --timeout-s
-                    set_group_timeout(self.cfg.timeout_s)
-                self.lifeline.resume_hint = (f"resume continues from the newest checkpoint in "
-                                             f"{Path(self.cfg.checkpoint_dir).resolve()}")
+                self._after_first_step()
             # _done() here means --max-steps was reached: the last step is always logged.
             if self.step % self.cfg.log_every == 0 or i + 1 == total or self._done():
                 self._log(epoch)
@@ -298,92 +246,55 @@ class Trainer:
             self.epoch, self.batch_in_epoch = epoch + 1, 0
             self._evaluate(epoch)
 
-    @torch.no_grad()
+    def _after_first_step(self) -> None:
+        self._first_step_s = time.time() - self.started_at
+        self.lifeline.resume_hint = ("resume continues from the newest checkpoint in "
+                                     f"{Path(self.cfg.checkpoint_dir).resolve()}")
+        if self.backend == "nccl":  # start-up had longer: training gets --timeout-s
+            set_group_timeout(self.cfg.timeout_s)
+
     def _evaluate(self, epoch: int) -> None:
-        """task.eval_metrics over the validation set, each sample counted once across ranks:
-        the single-process value up to rounding."""
-        if self.val_loader is None:
+        if self.evaluator is None:
             return
-        model = self.raw if not self.sharded else self.model
-        model.eval()
-        sums: dict[str, torch.Tensor] = {}
-        for j, batch in enumerate(self.val_loader):
-            with self.optim.autocast():
-                values = self.task.eval_metrics(model, move_to(batch, self.device))
-            if j >= self.val_batches.real:
-                continue  # padding: every rank runs as many forwards as the others (fsdp needs it)
-            for key, value in values.items():
-                value = torch.as_tensor(value).detach().to(self.comm_device, torch.float64)
-                sums[key] = sums[key] + value if key in sums else value
-        model.train()
-        if self.sharded:
-            model.reshard()  # a no-grad forward leaves the root's weights gathered
-        keys = sorted(self._metric_keys(sums))
-        totals = torch.stack([sums.get(k, torch.zeros((), dtype=torch.float64,
-                                                      device=self.comm_device)) for k in keys])
-        dist.all_reduce(totals)
-        total = dict(zip(keys, totals.tolist(), strict=True))
-        averages = {k: total[k] / max(total.get(f"{k}_count", total.get("count", 0)), 1e-300)
-                    for k in keys if k != "count" and not k.endswith("_count")}
-        if hasattr(self.task, "finalize_metrics"):
-            averages = self.task.finalize_metrics(averages)
-        self.val_metrics = {f"val_{k}": v for k, v in averages.items()}
+        model = self.model if self.dcp is not None else self.raw  # fsdp needs its wrapper
+        self.val_metrics = self.evaluator.run(model, self.optim.autocast)
         self.metrics.log({"step": self.step, "epoch": epoch, **self.val_metrics})
         if self.world.is_main:
             shown = ", ".join(f"{k} {v:.5g}" for k, v in self.val_metrics.items())
             print(f"epoch {epoch} validation: {shown}", flush=True)
-
-    def _metric_keys(self, sums: dict[str, torch.Tensor]) -> list[str]:
-        """The metric names; the same on every rank (a rank with only padding batches has none)."""
-        keys = list(sums) or list(getattr(self, "_eval_keys", []))
-        if sums and not hasattr(self, "_eval_keys"):
-            if "count" not in keys and not any(k.endswith("_count") for k in keys):
-                raise SetupError("task.eval_metrics must return per-batch sums and a 'count' (or "
-                                 "'<metric>_count'); it returned " + ", ".join(keys),
-                                 everywhere=True)
-            self._eval_keys = keys
-        return keys
 
     def _done(self) -> bool:
         return (self.epoch >= self.cfg.epochs or self.stopped_by is not None
                 or bool(self.cfg.max_steps and self.step >= self.cfg.max_steps))
 
     def _log(self, epoch: int) -> None:
-        """Average the loss over ranks and steps since the last log, gather peak memory and agree
-        on a stop request: the only collective and host sync of the loop besides DDP's own."""
+        """Average the loss over ranks and steps since the last log and agree on a stop request:
+        the only collective and host sync of the loop besides DDP's own."""
         if self._loss_count == 0:
             return
-        world, rank = self.world.world_size, self.world.rank
-        self._memory = peak_memory_mb(self.device)
-        stats = torch.zeros(3 + 2 * world, device=self.comm_device)
-        stats[0] = self._loss_sum.float().to(self.comm_device)
-        stats[1] = self._loss_count
-        stats[2] = float(self.lifeline.stop_signal is not None)
-        stats[3 + rank], stats[3 + world + rank] = self._memory  # one slot per rank: a gather
-        dist.all_reduce(stats)
-        values = stats.tolist()
-        loss = values[0] / values[1]
+        signum = self.lifeline.stop_signal
+        loss, stop, self.peak_mem_mb, reserved = log_step_stats(
+            self._loss_sum, self._loss_count, signum is not None, self.device, self.comm_device)
         if not math.isfinite(loss):
-            newest = checkpoint_path(self.cfg.checkpoint_dir, self._saved_step, self.sharded)
-            where = f"the newest good checkpoint is {newest}" if self._saved_step >= 0 else \
-                "no checkpoint was saved yet"
+            newest = checkpoint_path(self.cfg.checkpoint_dir, self._saved_step,
+                                     sharded=self.dcp is not None)
+            where = (f"the newest good checkpoint is {newest}" if self._saved_step >= 0
+                     else "no checkpoint was saved yet")
             raise SetupError(f"the loss became {loss} by step {self.step}; {where}; lower --lr, "
                              "use --clip-grad, or check the data", everywhere=True)
-        if values[2] > 0:  # some rank was asked to stop: every rank stops after this step
-            signum = self.lifeline.stop_signal
+        if stop:  # some rank was asked to stop: every rank stops after this step
             self.stopped_by = signal.Signals(signum).name if signum else "another rank's signal"
         now = time.perf_counter()
-        samples_per_s = self._samples * world / max(now - self._last_log_time, 1e-9)
+        samples_per_s = self._samples * self.world.world_size / max(now - self._last_log_time, 1e-9)
         self.last_loss = loss
         self._samples_total += self._samples
         self._loss_sum.zero_()
         self._loss_count, self._samples, self._last_log_time = 0, 0, now
-        self._peak_mb = [round(v, 1) for v in values[3:3 + world]]
         record = {"step": self.step, "epoch": epoch, "loss": loss, "lr": self.optim.lr(),
                   "samples_per_s": round(samples_per_s, 1), "time_s": round(now - self._start, 3),
-                  "peak_mem_mb": self._peak_mb}
+                  "peak_mem_mb": self.peak_mem_mb}
         if self.device.type == "cuda":
-            record["peak_reserved_mb"] = [round(v, 1) for v in values[3 + world:]]
+            record["peak_reserved_mb"] = reserved
         self.metrics.log(record)
         if not self.progress.show(f"loss={loss:.4f}") and self.world.is_main:
             print(f"epoch {epoch} step {self.step} loss {loss:.5f} samples/s {samples_per_s:.0f}",
@@ -394,9 +305,11 @@ class Trainer:
         with self.lifeline.waiting("rank 0 to start the metrics and tracker",
                                    "check rank 0's output"):
             agree(self._open_metrics, self.comm_device)
-        if not self.world.is_main:
-            self.metrics = MetricsWriter(self.cfg.output_dir, False)
-        warmup_note(self.cfg, self.optim, self.world.is_main)
+        total = self.optim.total_steps
+        if self.cfg.warmup_steps > total and self.world.is_main:
+            print(f"warning: --warmup-steps {self.cfg.warmup_steps} is longer than the run "
+                  f"({total} steps): the learning rate never reaches --lr", file=sys.stderr,
+                  flush=True)
         self._start = self._last_log_time = time.perf_counter()
         self.lifeline.phase = "training"
         self.profiler.step_done(self.step)
@@ -426,23 +339,24 @@ class Trainer:
             if self.ckpt_dir is not None:
                 self.ckpt_dir.close()
         if self.world.is_main:
-            print(f"throughput: {summary['samples_per_s']:.0f} samples/s, median step "
-                  f"{summary['median_step_ms']} ms, first step "
-                  f"{summary['time_to_first_step_s']} s after start", flush=True)
             loss = "n/a" if self.last_loss is None else f"{self.last_loss:.5f}"
-            print(f"done: {self.step} steps, final loss {loss}\n"
+            print(f"throughput: {summary['samples_per_s']:.0f} samples/s, median step "
+                  f"{summary['median_step_ms']} ms, first step {summary['time_to_first_step_s']} s "
+                  f"after start\ndone: {self.step} steps, final loss {loss}\n"
                   f"checkpoints: {Path(self.cfg.checkpoint_dir).resolve()}\n"
                   f"summary: {path.resolve()}", flush=True)
         return summary
 
     def _open_metrics(self) -> None:
+        """Rank 0: metrics.jsonl, the tracker, config.json; and whether --step-times can be
+        written (it is written at the end: find out now)."""
         self.metrics = MetricsWriter(self.cfg.output_dir, True, self.cfg.tracker,
                                      append=self.resumed_from is not None,
                                      config=self.cfg.to_dict(), tracker_run_id=self.tracker_run_id)
         if self.metrics.tracker is not None:
             self.tracker_run_id = self.metrics.tracker.run_id
         self.metrics.write_json("config.json", self.cfg.to_dict())
-        if self.cfg.step_times:  # written at the end: find out now whether it can be
+        if self.cfg.step_times:
             try:
                 Path(self.cfg.step_times).parent.mkdir(parents=True, exist_ok=True)
                 Path(self.cfg.step_times).touch()
@@ -470,16 +384,9 @@ class Trainer:
             "checkpoint_saves": len(stalls),
             "async_save": self.cfg.async_save,
             "time_to_first_step_s": round(self._first_step_s, 3) if self._first_step_s else None,
-            "peak_mem_mb": getattr(self, "_peak_mb", None),
+            "peak_mem_mb": self.peak_mem_mb,
             **self.val_metrics,
             "wall_time_s": round(wall, 3),
             "resumed_from": self.resumed_from,
             "checkpoint_dir": str(Path(self.cfg.checkpoint_dir)),
         }
-
-
-def warmup_note(cfg: Config, optim: Optimization, is_main: bool) -> None:
-    total = optim.total_steps
-    if cfg.warmup_steps > total and is_main:
-        print(f"warning: --warmup-steps {cfg.warmup_steps} is longer than the run ({total} "
-              "steps): the learning rate never reaches --lr", file=sys.stderr, flush=True)
