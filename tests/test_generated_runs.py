@@ -188,9 +188,12 @@ def test_answer_dependent_tests_of_other_bakes(tmp_path, answers, files):
 
 
 @pytest.mark.parametrize("task", ["regression", "language_model"])
-def test_every_example_task_learns(tmp_path, task):
-    """The default bake's suite covers classification; the other two examples' own tests."""
+def test_every_example_task_learns_and_runs_in_every_layout(tmp_path, task):
+    """The default bake's suite covers classification; the other two examples' own tests, and
+    the same example split over two devices and sharded with fsdp."""
     project = bake_to(tmp_path, task=task)
-    check_ok(run([PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_task.py"],
-                 project, timeout=600))
+    pytest = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    check_ok(run([*pytest, "tests/test_task.py"], project, timeout=600))
+    check_ok(run([*pytest, "tests/test_layouts.py", "-k",
+                  "split_model or model_parallel_layout or fsdp_trains"], project, timeout=600))
 

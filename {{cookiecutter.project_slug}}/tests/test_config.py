@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ok, one_error, python_train, summary
+from conftest import PROJECT_ROOT, ok, one_error, python_train, summary, torchrun
 
 from {{ cookiecutter.package_name }}.config import build_parser, parse_args
 
-SPEC_FLAGS = [
+DOCUMENTED_FLAGS = [
     "--epochs", "--batch-size", "--lr", "--seed", "--dataset-size", "--data", "--num-workers",
     "--backend", "--init-method", "--timeout-s", "--checkpoint-dir", "--save-every",
     "--save-every-steps", "--keep-last", "--resume", "--precision", "--grad-accum", "--clip-grad",
@@ -21,7 +21,7 @@ SPEC_FLAGS = [
 
 def test_help_documents_every_flag():
     text = build_parser().format_help()
-    assert [flag for flag in SPEC_FLAGS if flag not in text] == []
+    assert [flag for flag in DOCUMENTED_FLAGS if flag not in text] == []
 
 
 def test_both_local_rank_spellings():
@@ -84,7 +84,6 @@ def test_bad_config_files_exit_2_naming_the_key(tmp_path, text, says, capsys):
 
 
 def test_the_example_config_trains_and_the_resolved_values_are_saved(workdir):
-    from conftest import PROJECT_ROOT
     config = PROJECT_ROOT / "configs/example.toml"
     ok(python_train(["--config", str(config), "--epochs", "1", "--dataset-size", "64"], workdir))
     saved = json.loads((workdir / "runs/latest/config.json").read_text())
@@ -107,6 +106,5 @@ def test_spawn_two_processes(workdir):
 
 
 def test_an_error_every_rank_finds_is_printed_once(workdir):
-    from conftest import torchrun
     line = one_error(torchrun(["--lr", "inf"], workdir))
     assert line.startswith("error: argument --lr")

@@ -16,6 +16,7 @@ from {{ cookiecutter.package_name }}.distributed import (
     resolve_backend,
     resolve_rendezvous,
 )
+from {{ cookiecutter.package_name }}.doctor import traps
 from {{ cookiecutter.package_name }}.environments import (
     World,
     expand_nodelist,
@@ -248,3 +249,16 @@ def test_nccl_settings_fail_fast_leave_a_trace_and_never_override_the_user(tmp_p
 def test_nccl_gets_a_long_start_up_and_gloo_keeps_timeout_s():
     assert startup_timeout_s(30, "nccl") == 600 and startup_timeout_s(900, "nccl") == 900
     assert startup_timeout_s(30, "gloo") == 30
+
+
+def test_doctor_warns_about_known_traps(monkeypatch):
+    import shutil
+    world = World(0, 0, 4, 4, "torchrun")
+    found = " | ".join(traps(world, cuda_count=2, backend="nccl"))
+    assert "4 processes on this node but 2 visible GPU(s)" in found
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert "names 3 device(s) but 2 are visible" in " ".join(traps(world, 2, "nccl"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(
+        64 * 2**20, 60 * 2**20, 4 * 2**20))
+    assert "/dev/shm has 4 MB free" in " ".join(traps(World(0, 0, 1, 1, "none"), 0, "gloo"))

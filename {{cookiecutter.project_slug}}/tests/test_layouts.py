@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import (
+    PROJECT_ROOT,
+    TRAIN,
     assert_same_model,
+    child_env,
     final_model,
     needs_numpy,
     ok,
     one_error,
     read_metrics,
+    run_cmd,
     summary,
     torchrun,
+    torchrun_cmd,
 )
 
 from {{ cookiecutter.package_name }} import task
@@ -85,7 +97,6 @@ sys.exit(main(sys.argv[1:]))
 def test_a_model_model_parallel_2_cannot_split_is_one_error_line(workdir):
     script = workdir / "unsplittable.py"
     script.write_text(UNSPLITTABLE)
-    from conftest import run_cmd, torchrun_cmd
     result = run_cmd([*torchrun_cmd(2), str(script), "--no-progress", *QUICK,
                       "--model-layout", "model_parallel_2"], workdir)
     line = one_error(result)
@@ -144,7 +155,6 @@ dist.destroy_process_group()
 
 @needs_numpy
 def test_fsdp_keeps_about_half_the_state_per_rank_at_two_ranks(workdir):
-    from conftest import run_cmd, torchrun_cmd
     script = workdir / "memory.py"
     script.write_text(MEMORY)
     sizes = {}
@@ -179,11 +189,28 @@ def test_fsdp_trains_saves_sharded_and_resumes_on_one_and_two_ranks(workdir):
 
 
 @needs_numpy
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
+def test_fsdp_worker_killed_mid_run_restarts_and_ends_bit_for_bit(workdir):
+    args = [*FSDP, "--epochs", "3", "--log-every", "1000"]
+    ok(torchrun([*args, "--checkpoint-dir", "a"], workdir))  # never interrupted
+    job = subprocess.Popen([*torchrun_cmd(2, "--max-restarts=1"), TRAIN, "--no-progress",
+                            *args, "--checkpoint-dir", "b"], cwd=workdir, env=child_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not list((workdir / "b").glob("ckpt_step0000001*")):  # mid-run, mid-epoch: step 12
+        assert job.poll() is None, job.communicate()[1]
+        time.sleep(0.01)
+    agent = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()
+    os.kill(int(agent[1]), signal.SIGKILL)
+    out, err = job.communicate(timeout=240)
+    assert job.returncode == 0 and "resumed from" in out, err
+    assert_same_model(final_model(workdir / "a"), final_model(workdir / "b"))
+
+
+@needs_numpy
 def test_fsdp_checkpoint_exports_to_the_plain_model(workdir):
-    from conftest import PROJECT_ROOT, run_cmd
     ok(torchrun([*QUICK, "--epochs", "1", "--model-layout", "fsdp"], workdir))
     out = workdir / "model.pt"
-    ok(run_cmd([__import__("sys").executable, "-m", "{{ cookiecutter.package_name }}.checkpoint",
+    ok(run_cmd([sys.executable, "-m", "{{ cookiecutter.package_name }}.checkpoint",
                 "export", str(workdir / "checkpoints/ckpt_step00000008"), str(out)], PROJECT_ROOT))
     exported = torch.load(out, map_location="cpu", weights_only=True)
     model = task.build_model(parse_args(QUICK))

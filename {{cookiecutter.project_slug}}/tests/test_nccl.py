@@ -7,7 +7,16 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TRAIN, ok, python_train, run_cmd, summary, torchrun_cmd
+from conftest import (
+    TRAIN,
+    assert_same_model,
+    final_model,
+    ok,
+    python_train,
+    run_cmd,
+    summary,
+    torchrun_cmd,
+)
 
 pytestmark = [
     pytest.mark.nccl,
@@ -71,5 +80,4 @@ def test_nccl_resume_is_exact_on_the_gpu(workdir):
     ok(python_train([*args, "--checkpoint-dir", "a"], workdir))
     ok(python_train([*args, "--checkpoint-dir", "b", "--max-steps", "11"], workdir))
     ok(python_train([*args, "--checkpoint-dir", "b"], workdir))
-    from conftest import assert_same_model, final_model
     assert_same_model(final_model(workdir / "a"), final_model(workdir / "b"))

@@ -21,12 +21,14 @@ from conftest import (
     final_model,
     ok,
     python_train,
+    run_cmd,
     summary,
     torchrun,
     torchrun_cmd,
 )
 
 from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
+from {{ cookiecutter.package_name }}.environments import find_free_port
 
 pytestmark = [pytest.mark.recovery,
               pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -145,7 +147,6 @@ def test_a_second_ctrl_c_exits_at_once(workdir):
 
 def test_a_stop_signal_during_start_up_exits_cleanly(workdir):
     # Rank 0 of a world of 2 whose peer never comes: it waits in the rendezvous.
-    from {{ cookiecutter.package_name }}.environments import find_free_port
     job = subprocess.Popen([sys.executable, TRAIN, *FLAGS], cwd=workdir, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=child_env(
                                RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -200,7 +201,6 @@ sys.exit(entry.main(sys.argv[1:]))
 
 
 def test_uneven_batch_counts_end_cleanly(workdir):
-    from conftest import run_cmd
     script = workdir / "uneven.py"
     script.write_text(UNEVEN)
     cmd = [*torchrun_cmd(2), str(script), "--no-progress", "--dataset-size", "1024", "--batch-size",

@@ -70,6 +70,7 @@ class Trainer:
         self.last_loss: float | None = None
         self.val_metrics: dict[str, float] = {}
         self.peak_mem_mb: list[float] = []
+        self.peak_reserved_mb: list[float] = []
         self.tracker_run_id: str | None = None
         self.stopped_by: str | None = None
         self._saved_step = -1
@@ -273,7 +274,7 @@ class Trainer:
         if self._loss_count == 0:
             return
         signum = self.lifeline.stop_signal
-        loss, stop, self.peak_mem_mb, reserved = log_step_stats(
+        loss, stop, self.peak_mem_mb, self.peak_reserved_mb = log_step_stats(
             self._loss_sum, self._loss_count, signum is not None, self.device, self.comm_device)
         if not math.isfinite(loss):
             newest = checkpoint_path(self.cfg.checkpoint_dir, self._saved_step,
@@ -294,7 +295,7 @@ class Trainer:
                   "samples_per_s": round(samples_per_s, 1), "time_s": round(now - self._start, 3),
                   "peak_mem_mb": self.peak_mem_mb}
         if self.device.type == "cuda":
-            record["peak_reserved_mb"] = reserved
+            record["peak_reserved_mb"] = self.peak_reserved_mb
         self.metrics.log(record)
         if not self.progress.show(f"loss={loss:.4f}") and self.world.is_main:
             print(f"epoch {epoch} step {self.step} loss {loss:.5f} samples/s {samples_per_s:.0f}",
@@ -385,6 +386,7 @@ class Trainer:
             "async_save": self.cfg.async_save,
             "time_to_first_step_s": round(self._first_step_s, 3) if self._first_step_s else None,
             "peak_mem_mb": self.peak_mem_mb,
+            **({"peak_reserved_mb": self.peak_reserved_mb} if self.device.type == "cuda" else {}),
             **self.val_metrics,
             "wall_time_s": round(wall, 3),
             "resumed_from": self.resumed_from,

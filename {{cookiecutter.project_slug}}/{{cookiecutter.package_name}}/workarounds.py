@@ -79,8 +79,8 @@ def set_group_timeout(timeout_s: float) -> None:
     the first step, then --timeout-s).
 
     Without it: one timeout for the whole run, either too short for NCCL's start-up or too long to
-    notice a stalled rank in training. PyTorch has no public API for this; torchtitan calls the
-    same private function. Seen with torch 2.4 to 2.13.
+    notice a stalled rank in training. PyTorch has only this private function for it
+    (https://github.com/pytorch/pytorch/pull/115453, torch 2.3+); torchtitan calls it too.
     """
     from datetime import timedelta
 
