@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import PROJECT_ROOT, ok, one_error, python_train, summary, torchrun
+from conftest import PROJECT_ROOT, ok, python_train, summary
 
 from {{ cookiecutter.package_name }}.config import build_parser, parse_args
 
@@ -96,15 +96,3 @@ def test_plain_python_is_a_world_of_one(workdir):
     ok(python_train(["--epochs", "1", "--dataset-size", "256", "--batch-size", "32"], workdir))
     done = summary(workdir / "runs/latest")
     assert done["world_size"] == 1 and done["launcher"] == "none" and done["steps"] == 8
-
-
-def test_spawn_two_processes(workdir):
-    ok(python_train(["--nprocs", "2", "--epochs", "1", "--dataset-size", "256", "--batch-size",
-                     "32"], workdir))
-    done = summary(workdir / "runs/latest")
-    assert done["world_size"] == 2 and done["launcher"] == "spawn" and done["steps"] == 4
-
-
-def test_an_error_every_rank_finds_is_printed_once(workdir):
-    line = one_error(torchrun(["--lr", "inf"], workdir))
-    assert line.startswith("error: argument --lr")

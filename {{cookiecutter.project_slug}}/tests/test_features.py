@@ -124,9 +124,9 @@ def test_same_seed_same_parameters_bit_for_bit(workdir):
     assert not all(torch.equal(a[k], c[k]) for k in a), "another seed gave the same model"
 
 
-def test_throughput_memory_and_step_times(workdir):
+def test_throughput_memory_step_times_and_a_profile(workdir):
     result = ok(torchrun([*SMALL, "--dataset-size", "512", "--epochs", "1", "--step-times",
-                          "steps.json"], workdir))
+                          "steps.json", "--profile-steps", "2:4"], workdir))
     report = summary(workdir / "runs/latest")
     assert report["samples_per_s"] > 0 and 0 < report["median_step_ms"] <= report["p90_step_ms"]
     assert report["checkpoint_stall_ms"] > 0 and len(report["peak_mem_mb"]) == 2
@@ -134,11 +134,7 @@ def test_throughput_memory_and_step_times(workdir):
     assert len(steps["step_ends"]) == 8 and steps["started_at"] < steps["step_ends"][0]
     assert 0 < report["time_to_first_step_s"] < report["wall_time_s"] + 60
     assert result.stdout.count("throughput:") == 1
-
-
-def test_profiler_traces_the_chosen_steps_on_rank_0(workdir):
-    result = ok(torchrun([*SMALL, "--dataset-size", "512", "--epochs", "1", "--profile-steps",
-                          "2:4"], workdir))
+    # The profiler: a trace of steps 2-4 on rank 0 only, with shapes.
     traces = list((workdir / "runs/latest/profile").glob("*.pt.trace.json"))
     assert len(traces) == 1 and result.stdout.count("profile of steps 2-4") == 1
     trace = json.loads(traces[0].read_text())

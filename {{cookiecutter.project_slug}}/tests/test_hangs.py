@@ -20,7 +20,7 @@ from {{ cookiecutter.package_name }}.environments import find_free_port
 
 pytestmark = pytest.mark.launchers
 
-TIMEOUT_S = 4
+TIMEOUT_S = 3
 # --timeout-s, the lifeline's margin (2 s + 10 %), and the start-up of a Python process with torch.
 LIMIT_S = TIMEOUT_S + 2 + 0.1 * TIMEOUT_S + 12
 FLAGS = ["--no-progress", "--epochs", "1", "--dataset-size", "64", "--hidden-size", "8",

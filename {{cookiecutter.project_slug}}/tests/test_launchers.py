@@ -100,8 +100,7 @@ def test_two_torchrun_nodes_on_localhost(workdir, bin_dir):
     assert done["world_size"] == 2 and done["launcher"] == "torchrun" and done["steps"] == 4
 
 
-@pytest.mark.parametrize("method", ["tcp", "tcp://127.0.0.1:{port}", "file", "{tmp}/nested/store",
-                                    "{tmp}/my run/store", "{tmp}/dé jà/100%/store"])
+@pytest.mark.parametrize("method", ["tcp://127.0.0.1:{port}", "file", "{tmp}/my dé jà 100%/store"])
 def test_init_methods_under_spawn(workdir, method):
     method = method.format(port=find_free_port(), tmp=workdir)
     ok(python_train(["--nprocs", "2", *QUICK, "--init-method", method], workdir))

@@ -32,6 +32,7 @@ from conftest import (
 
 from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
 from {{ cookiecutter.package_name }}.resume import unreadable
+from {{ cookiecutter.package_name }}.train import main
 
 BASE = ["--no-progress", "--epochs", "1", "--dataset-size", "128", "--batch-size", "16",
         "--hidden-size", "8", "--timeout-s", "20"]
@@ -178,14 +179,30 @@ def prepare(workdir: Path, what: str) -> tuple[list[str], object]:
     return [TRAIN], None
 
 
+def in_process(case: Case, workdir: Path, monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """A bad flag never gets past argument parsing: run `main` here instead of in a new Python
+    (the same code path, without the second it takes to import torch)."""
+    monkeypatch.chdir(workdir)
+    with pytest.raises(SystemExit) as exit_:
+        main([*BASE, *case.args])
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["main", *case.args], exit_.value.code, captured.out,
+                                       captured.err)
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_mistake(name, finished_run, tmp_path):
+def test_mistake(name, finished_run, tmp_path, monkeypatch, capsys):
     case = CASES[name]
     workdir = tmp_path / "run"
     shutil.copytree(finished_run, workdir)
     before = {p: read_meta(p)["step"] for p in list_checkpoints(workdir / "checkpoints")}
     assert before
     script, preexec = prepare(workdir, case.prepare)
+    if case.code == 2 and case.launcher == "python" and not case.env:
+        result = in_process(case, workdir, monkeypatch, capsys)
+        assert result.returncode == 2 and case.says in one_error(result)
+        assert all(unreadable(p) is None for p in before)
+        return
     launcher = torchrun_cmd(2) if case.launcher == "torchrun" else [sys.executable]
     started = time.monotonic()
     result = subprocess.run([*launcher, *script, *BASE, *case.args], cwd=workdir,

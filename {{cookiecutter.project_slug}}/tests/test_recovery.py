@@ -274,9 +274,14 @@ class Augmented(Dataset):
                          for t in items)
         return jittered if isinstance(sample, tuple) else jittered[0]
 
+def build_datasets(cfg):
+    train, val = build(cfg)
+    return Augmented(train), val
+
 build = entry.task.build_datasets
-entry.task.build_datasets = lambda cfg: (Augmented(build(cfg)[0]), build(cfg)[1])
-sys.exit(entry.main(sys.argv[1:]))
+entry.task.build_datasets = build_datasets
+if __name__ == "__main__":  # data workers import this file too (they start from a forkserver)
+    sys.exit(entry.main(sys.argv[1:]))
 """
 
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 import random
 import signal
 import sys
@@ -198,12 +199,24 @@ def _worker_init(worker_id: int) -> None:
 
 def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_workers: int,
                  pin_memory: bool) -> InProcessLoader | DataLoader:
-    """A loader over `batches` (a ShardedBatchSampler or FixedBatches) of `dataset`."""
+    """A loader over `batches` (a ShardedBatchSampler or FixedBatches) of `dataset`.
+
+    Worker processes start from a forkserver, not by forking the training process: its gloo and
+    NCCL threads can hold a lock of the interpreter at the moment of a fork, and the forked worker
+    then waits for it forever (a training run that hangs at its first batch, now and then). So the
+    data set and `collate` must be picklable (as with the spawn start method on macOS and
+    Windows), and a script that starts training needs `if __name__ == "__main__":`.
+    """
     fetcher = BatchFetcher(dataset, collate)
     if num_workers == 0:
         return InProcessLoader(fetcher, batches, pin_memory)
+    context = None
+    if "forkserver" in multiprocessing.get_all_start_methods():  # not on Windows: spawn there
+        multiprocessing.set_forkserver_preload(["torch"])  # workers start with torch imported
+        context = multiprocessing.get_context("forkserver")
     return DataLoader(fetcher, batch_sampler=batches, collate_fn=_as_is, num_workers=num_workers,
-                      pin_memory=pin_memory, persistent_workers=True, worker_init_fn=_worker_init)
+                      pin_memory=pin_memory, persistent_workers=True, worker_init_fn=_worker_init,
+                      multiprocessing_context=context)
 
 
 def _apply(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

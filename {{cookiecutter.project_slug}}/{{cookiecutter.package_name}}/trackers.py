@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -62,7 +63,7 @@ class WandbTracker:
         wandb = _import("wandb", "wandb", "wandb")
         self.wandb = wandb
         new_run = run_id is None
-        self.run_id = run_id or wandb.util.generate_id()
+        self.run_id = run_id or uuid.uuid4().hex[:12]
         try:
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT),
                                   dir=str(output_dir), id=self.run_id, resume="allow",
