@@ -188,6 +188,7 @@ def main() -> int:
                         help="CPU: paired in-process runs for the per-step overhead of ours over raw (0 = skip)")
     parser.add_argument("--saves", action="store_true",
                         help="CPU: checkpoint stall per save, sync vs --async-save, DDP and fsdp, on a 1 GB state")
+    parser.add_argument("--variants", default=None, help="comma-separated subset of the variants to run")
     parser.add_argument("--kills", type=int, default=0,
                         help="CPU: SIGKILL a worker this many times and time the recovery under torchrun")
     args = parser.parse_args()
@@ -208,7 +209,8 @@ def main() -> int:
     python_for_lightning = None
     raw: dict = {}
     for workload in workloads:
-        variants = [v for v in VARIANTS_OF[workload] if not (v == "lightning" and args.no_lightning)]
+        variants = [v for v in VARIANTS_OF[workload] if not (v == "lightning" and args.no_lightning)
+                    and (args.variants is None or v in args.variants.split(","))]
         if "lightning" in variants and python_for_lightning is None:
             python_for_lightning = lightning_python()
         raw[workload] = {v: [] for v in variants}

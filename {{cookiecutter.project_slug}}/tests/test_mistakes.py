@@ -138,6 +138,11 @@ FILES = {
     "garbage.pt": "not a checkpoint",
     "afile": "",
 }
+FULL_DISK = """
+import os, resource, sys
+resource.setrlimit(resource.RLIMIT_FSIZE, (12_000, 12_000))  # a disk full at 12 kB a file
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
 NAN_TASK = """
 import sys, math
 import {{ cookiecutter.package_name }}.train as entry
@@ -162,21 +167,20 @@ def finished_run(tmp_path_factory) -> Path:
     return folder
 
 
-def prepare(workdir: Path, what: str) -> tuple[list[str], object]:
-    """Files for a case; returns the command's script and a preexec function."""
+def prepare(workdir: Path, what: str) -> list[str]:
+    """Files for a case; returns the script to run (and its arguments)."""
     if what in FILES:
         (workdir / what).write_text(FILES[what])
     elif what == "half":
         (workdir / "half").mkdir()
     elif what == "nan-after-step-4":
         (workdir / "nan.py").write_text(NAN_TASK)
-        return [str(workdir / "nan.py")], None
+        return [str(workdir / "nan.py")]
     elif what == "file-size-limit":
-        def limit_file_size():  # a disk that fills up: files may not grow past 12 kB
-            import resource
-            resource.setrlimit(resource.RLIMIT_FSIZE, (12_000, 12_000))
-        return [TRAIN], limit_file_size
-    return [TRAIN], None
+        # Not a preexec_fn: forking this test process, which has threads, can deadlock the child.
+        (workdir / "full_disk.py").write_text(FULL_DISK)
+        return [str(workdir / "full_disk.py"), TRAIN]
+    return [TRAIN]
 
 
 def in_process(case: Case, workdir: Path, monkeypatch, capsys) -> subprocess.CompletedProcess:
@@ -197,7 +201,7 @@ def test_mistake(name, finished_run, tmp_path, monkeypatch, capsys):
     shutil.copytree(finished_run, workdir)
     before = {p: read_meta(p)["step"] for p in list_checkpoints(workdir / "checkpoints")}
     assert before
-    script, preexec = prepare(workdir, case.prepare)
+    script = prepare(workdir, case.prepare)
     if case.code == 2 and case.launcher == "python" and not case.env:
         result = in_process(case, workdir, monkeypatch, capsys)
         assert result.returncode == 2 and case.says in one_error(result)
@@ -207,7 +211,7 @@ def test_mistake(name, finished_run, tmp_path, monkeypatch, capsys):
     started = time.monotonic()
     result = subprocess.run([*launcher, *script, *BASE, *case.args], cwd=workdir,
                             env=child_env(**case.env), capture_output=True, text=True,
-                            timeout=120, preexec_fn=preexec)
+                            timeout=120)
     line = one_error(result)  # exactly one error line, no traceback through the project
     assert case.says in line, line
     if case.launcher == "python":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import random
 import signal
 import sys
@@ -190,11 +191,19 @@ def _as_is(batch: Any) -> Any:
 
 
 def _worker_init(worker_id: int) -> None:
-    # Workers leave stop signals to the training process, which shuts them down itself; they
-    # must not write to its signal wakeup socket either (they inherit it with the fork).
+    # Workers leave stop signals to the training process, which shuts them down itself.
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # A forkserver child inherits the write end of the pipe by which the forkserver learns that
+    # the training process is gone. Holding it, the workers kept the forkserver alive after a
+    # SIGKILL of the training process, and the forkserver (their parent) kept them alive:
+    # leftover processes that held the job's stdout open forever. Without it the forkserver
+    # exits with the training process and the workers notice their parent is gone.
+    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
 
 
 def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_workers: int,

@@ -84,6 +84,11 @@ def assign_devices(
     return [torch.device("cuda", first + i) for i in range(per_process)]
 
 
+def collective_device(backend: str, device: torch.device) -> torch.device:
+    """Where tensors of the project's own collectives live: the GPU for NCCL, else the CPU."""
+    return device if backend == "nccl" else torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     """Where the ranks of one launch meet: a TCP store, a shared file, or torchrun's agent."""

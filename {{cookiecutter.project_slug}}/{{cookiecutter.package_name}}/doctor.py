@@ -22,7 +22,14 @@ import torch
 import torch.distributed as dist
 
 from .config import build_parser
-from .distributed import assign_devices, cleanup, ddp_setup, resolve_backend, resolve_rendezvous
+from .distributed import (
+    assign_devices,
+    cleanup,
+    collective_device,
+    ddp_setup,
+    resolve_backend,
+    resolve_rendezvous,
+)
 from .environments import World, resolve_world
 from .failures import SetupError, is_communication_failure
 from .lifeline import Lifeline
@@ -105,7 +112,8 @@ def check(argv: list[str] | None = None) -> int:
     print(f"{tag} resolved: launcher {seen.launcher}, rank {seen.rank}, local rank "
           f"{seen.local_rank}/{seen.local_world_size}, world {seen.world_size}, master "
           f"{seen.master_addr}:{seen.master_port}", flush=True)
-    world = resolve_world(local_rank_flag=cfg.local_rank)  # now with the consistency checks
+    resolve_world(local_rank_flag=cfg.local_rank)  # now with the consistency checks
+    world = seen
     cuda_count = torch.cuda.device_count()
     for line in gpus():
         print(f"{tag} {line}", flush=True)
@@ -122,7 +130,7 @@ def check(argv: list[str] | None = None) -> int:
     store = None
     try:
         store = ddp_setup(world, backend, rdzv, cfg.timeout_s, devices, lifeline)
-        device = devices[0] if backend == "nccl" else torch.device("cpu")
+        device = collective_device(backend, devices[0])
         value = torch.tensor([float(world.rank + 1)], device=device)
         dist.all_reduce(value)
         expected = world.world_size * (world.world_size + 1) / 2

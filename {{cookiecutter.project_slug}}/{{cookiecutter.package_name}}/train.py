@@ -23,7 +23,14 @@ import torch.multiprocessing as mp
 from . import task
 from .config import Config, parse_args
 from .data import ShardedBatchSampler, build_loader, validation_batches
-from .distributed import assign_devices, cleanup, ddp_setup, resolve_backend, resolve_rendezvous
+from .distributed import (
+    assign_devices,
+    cleanup,
+    collective_device,
+    ddp_setup,
+    resolve_backend,
+    resolve_rendezvous,
+)
 from .environments import World, find_free_port, resolve_world
 from .evaluation import Evaluator
 from .failures import PeerErrors, SetupError, is_communication_failure, report_error
@@ -48,9 +55,11 @@ def rendezvous_dir(cfg: Config) -> Path:
     return Path(cfg.output_dir) / "rendezvous"
 
 
-def build_data(cfg: Config, world: World, pin_memory: bool) -> tuple[Any, ...]:
-    """task.build_datasets, sharded: this rank's batches and loader, and the validation
-    loader and its batches (None without a validation set)."""
+def build_data(cfg: Config, world: World, device: torch.device,
+               comm_device: torch.device) -> tuple[ShardedBatchSampler, Any, Evaluator | None]:
+    """task.build_datasets, sharded: this rank's batches, their loader, and the evaluator of the
+    validation set (None without one)."""
+    pin_memory = device.type == "cuda"
     train_set, val_set = task.build_datasets(cfg)
     if len(train_set) == 0:
         raise SetupError("task.build_datasets returned an empty training set", everywhere=True)
@@ -58,12 +67,13 @@ def build_data(cfg: Config, world: World, pin_memory: bool) -> tuple[Any, ...]:
     batches = ShardedBatchSampler(len(train_set), world.rank, world.world_size, cfg.batch_size,
                                   cfg.seed)
     loader = build_loader(train_set, batches, collate, cfg.num_workers, pin_memory)
-    val_batches = val_loader = None
+    evaluator = None
     if val_set is not None and len(val_set) > 0:
         val_batches = validation_batches(len(val_set), world.rank, world.world_size,
                                          cfg.batch_size, cfg.seed)
         val_loader = build_loader(val_set, val_batches, collate, cfg.num_workers, pin_memory)
-    return batches, loader, val_batches, val_loader
+        evaluator = Evaluator(task, val_loader, val_batches, device, comm_device)
+    return batches, loader, evaluator
 
 
 def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device],
@@ -74,10 +84,8 @@ def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     seed_everything(cfg.seed)  # the same data and the same initial model on every rank
-    batches, loader, val_batches, val_loader = build_data(cfg, world, devices[0].type == "cuda")
-    comm_device = devices[0] if backend == "nccl" else torch.device("cpu")
-    evaluator = (Evaluator(task, val_loader, val_batches, devices[0], comm_device)
-                 if val_loader is not None else None)
+    batches, loader, evaluator = build_data(cfg, world, devices[0],
+                                            collective_device(backend, devices[0]))
     model = parallelize(task.build_model(cfg), cfg, devices, task, world.is_main)
     steps_per_epoch = math.ceil(batches.batches_per_epoch() / cfg.grad_accum)
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
@@ -174,9 +182,9 @@ def spawn(cfg: Config) -> int:
     except mp.ProcessExitedException as exc:
         how = (f"was killed by {exc.signal_name}" if exc.signal_name
                else f"exited with code {exc.exit_code}")
-        # Exit code 1 is a worker that already printed its own `error:` line.
-        report_error(SetupError(f"worker {exc.error_index} {how}; the other workers were stopped",
-                                quiet=exc.exit_code == 1))
+        if exc.exit_code != 1:  # exit code 1: a worker that printed its own `error:` line
+            report_error(SetupError(f"worker {exc.error_index} {how}; the other workers were "
+                                    "stopped"))
         return 1
     finally:
         for signum, handler in previous.items():

@@ -25,6 +25,7 @@ from . import sharded
 from .checkpoint import CheckpointDir, Staging, checkpoint_path
 from .config import Config
 from .data import ShardedBatchSampler, move_to
+from .distributed import collective_device
 from .environments import World
 from .evaluation import Evaluator
 from .failures import SetupError, agree
@@ -52,8 +53,7 @@ class Trainer:
         self.device, self.backend, self.lifeline = device, backend, lifeline
         self.started_at = started_at  # process start: for "time to first step"
         self.raw = unwrap(model)  # the user's module: state_dicts without prefixes
-        # Collectives of our own (not DDP's) run on the backend's device: CUDA for NCCL.
-        self.comm_device = device if backend == "nccl" else torch.device("cpu")
+        self.comm_device = collective_device(backend, device)  # for our own collectives
         self.ckpt_dir = CheckpointDir(cfg.checkpoint_dir, cfg.keep_last) if world.is_main else None
         self.dcp = (sharded.ShardedCheckpoints(self.ckpt_dir, cfg.checkpoint_dir, cfg.async_save,
                                                self.comm_device)
