@@ -17,6 +17,7 @@ from conftest import (
     assert_same_model,
     child_env,
     final_model,
+    load_state,
     needs_numpy,
     ok,
     one_error,
@@ -28,6 +29,7 @@ from conftest import (
 )
 
 from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.checkpoint import checkpoint_path
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.data import BatchFetcher
 from {{ cookiecutter.package_name }}.parallel import model_blocks, split_over_two
@@ -221,9 +223,15 @@ def test_fsdp_checkpoint_exports_to_the_plain_model(workdir):
 @pytest.mark.parametrize("layout", ["data_parallel",
                                     pytest.param("fsdp", marks=needs_numpy)])
 def test_async_save_trains_on_while_writing_and_reports_the_stall(workdir, layout):
-    ok(torchrun([*QUICK, "--epochs", "2", "--save-every-steps", "2", "--async-save",
-                 "--model-layout", layout], workdir))
+    flags = [*QUICK, "--epochs", "2", "--save-every-steps", "2", "--model-layout", layout]
+    ok(torchrun([*flags, "--async-save"], workdir))
     done = summary(workdir / "runs/latest")
     assert done["async_save"] and done["checkpoint_saves"] == 8 and done["checkpoint_stall_ms"] > 0
-    assert len(list((workdir / "checkpoints").glob("ckpt_step*"))) == 3  # --keep-last 3
-    final_model(workdir / "checkpoints")  # the newest loads
+    kept = sorted((workdir / "checkpoints").glob("ckpt_step*"))
+    assert [p.name for p in kept] == [checkpoint_path("", s, sharded=layout == "fsdp").name
+                                      for s in (12, 14, 16)]  # --keep-last 3
+    # Each background save wrote the state of its own step (the staging copy is reused).
+    ok(torchrun([*flags, "--checkpoint-dir", "sync", "--output-dir", "sync-runs"], workdir))
+    for path in kept:
+        assert_same_model(load_state(workdir / "sync" / path.name)["model"],
+                          load_state(path)["model"])

@@ -9,6 +9,7 @@ a temporary name; rank 0 adds `meta.json` and renames it once DCP has written it
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -88,6 +89,7 @@ class ShardedCheckpoints:
         self.background, self.comm_device = background, comm_device
         self._pending: Future | None = None
         self._group: Any = None
+        self._stager: Any = None
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.Tensor,
              meta: dict[str, Any], step: int, prepare: Callable[[], None]) -> None:
@@ -110,8 +112,10 @@ class ShardedCheckpoints:
                 return
             if self._group is None:  # background saves talk over a group of their own
                 self._group = dist.new_group(backend="gloo")
+                self._stager = _reusable_stager(self.comm_device)
+            extra = {"async_stager": self._stager} if self._stager is not None else {}
             self._pending = dcp.async_save(state, checkpoint_id=str(tmp),
-                                           process_group=self._group)
+                                           process_group=self._group, **extra)
         except CheckpointException as exc:  # a full disk, a folder that went away
             raise SetupError(f"cannot write checkpoint {final} "
                              f"({str(exc).strip().splitlines()[0]}); free space or choose "
@@ -131,3 +135,30 @@ class ShardedCheckpoints:
                                  f"({str(exc).strip().splitlines()[0]}); free space or choose "
                                  "another --checkpoint-dir", everywhere=True) from None
             agree(lambda: self.ckpt_dir.wait(), self.comm_device)
+
+    def finish(self) -> None:
+        """The end of the run: wait for the save in flight, then free the staging copy."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+def _reusable_stager(device: torch.device) -> Any:
+    """A stager that keeps its CPU copy of the state from one save to the next.
+
+    By default `async_save` copies the state into newly allocated CPU memory at every save, on
+    the training thread: about 2 s for 2.7 GB from an H100, most of the stall. This one allocates
+    once (pinned on a GPU) and only copies afterwards. Safe because the next save first waits for
+    the previous one, which still reads the copy. None where torch has no such stager (< 2.9).
+    """
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    if "async_stager" not in inspect.signature(dcp.async_save).parameters:
+        return None
+
+    gpu = device.type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=gpu))

@@ -171,7 +171,7 @@ class Trainer:
     def _finish_saves(self) -> None:
         """Wait for a background save (and learn its outcome) before the process ends."""
         if self.dcp is not None:
-            self.dcp.wait()
+            self.dcp.finish()
         elif self.cfg.async_save:
             agree(lambda: self.ckpt_dir.wait(), self.comm_device)
 
