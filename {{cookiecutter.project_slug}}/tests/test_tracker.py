@@ -20,14 +20,17 @@ ARGS = ["--hidden-size", "8", "--dataset-size", "256", "--batch-size", "16", "--
         "--epochs", "2", "--save-every-steps", "4"]  # 8 steps an epoch
 
 
-def read_tensorboard(output_dir: Path) -> dict[int, float]:
+def read_tensorboard(output_dir: Path) -> tuple[dict[int, float], dict]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    steps = {}
+    steps, config = {}, {}
     for events in sorted((output_dir / "tensorboard").glob("events.out.tfevents.*")):
         accumulator = EventAccumulator(str(events))
         accumulator.Reload()
         steps.update({e.step: e.value for e in accumulator.Scalars("train/loss")})
-    return steps
+        for event in accumulator.Tensors("config/text_summary"):
+            text = event.tensor_proto.string_val[0].decode()
+            config.update(json.loads(text.strip("`\n")))
+    return steps, config
 
 
 def wandb_records(path: Path):
@@ -57,15 +60,21 @@ def wandb_records(path: Path):
             yield record
 
 
+def item_key(item) -> str:
+    """wandb >= 0.31 writes nested_key ["loss"] where older versions wrote key "loss"."""
+    return item.key or ".".join(item.nested_key)
+
+
 def read_wandb(output_dir: Path, run_id: str) -> tuple[dict[int, float], dict]:
     steps, config = {}, {}
     for path in (output_dir / "wandb").glob(f"offline-run-*/run-{run_id}.wandb"):
         for record in wandb_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
-                config.update({i.key: json.loads(i.value_json) for i in record.run.config.update})
+                config.update({item_key(i): json.loads(i.value_json)
+                               for i in record.run.config.update})
             if kind == "history":
-                row = {i.key: json.loads(i.value_json) for i in record.history.item}
+                row = {item_key(i): json.loads(i.value_json) for i in record.history.item}
                 if "loss" in row:
                     steps[row["_step"]] = row["loss"]
     return steps, config
@@ -89,7 +98,8 @@ def test_the_tracker_logs_every_metric_and_a_resumed_run_continues_its_run(workd
     expected = {m["step"]: m["loss"] for m in read_metrics(workdir / "runs/latest")}
     output = workdir / "runs/latest"
     if DEFAULT_TRACKER == "tensorboard":
-        logged = read_tensorboard(output)
+        logged, config = read_tensorboard(output)
+        assert config["batch_size"] == 16  # the run's config
     elif DEFAULT_TRACKER == "wandb":
         logged, config = read_wandb(output, run_id)
         assert config["batch_size"] == 16  # the run's config, logged once

@@ -243,7 +243,7 @@ def _apply(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
-    """A batch on `device`. The copies do not block the host (pinned memory on a GPU)."""
+    """A batch on `device`. Batches pinned by DataLoader workers copy without blocking the host."""
     if type(batch) is tuple and all(type(t) is torch.Tensor for t in batch):
         return tuple(t.to(device, non_blocking=True) for t in batch)  # the common case, fast
     return _apply(batch, lambda t: t.to(device, non_blocking=True))

@@ -7,6 +7,7 @@ of each tracker is imported only when it is chosen; a missing one is one `error:
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import uuid
@@ -43,9 +44,11 @@ def _import(module: str, package: str, tracker: str) -> Any:
 class TensorBoardTracker:
     run_id = None  # TensorBoard appends to the same folder; there is no run to continue
 
-    def __init__(self, output_dir: Path) -> None:
+    def __init__(self, output_dir: Path, config: dict[str, Any]) -> None:
         module = _import("torch.utils.tensorboard", "tensorboard", "tensorboard")
         self.writer = module.SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+        # The TEXT tab shows it; a resumed run adds the configuration it was started with.
+        self.writer.add_text("config", f"```\n{json.dumps(config, indent=1, default=str)}\n```")
 
     def log(self, record: dict[str, Any]) -> None:
         for key, value in _scalars(record).items():
@@ -123,7 +126,7 @@ def open_tracker(name: str, output_dir: Path, config: dict[str, Any],
     if name == "none":
         return None
     if name == "tensorboard":
-        return SafeTracker(TensorBoardTracker(output_dir))
+        return SafeTracker(TensorBoardTracker(output_dir, config))
     if name == "wandb":
         return SafeTracker(WandbTracker(output_dir, config, run_id))
     return SafeTracker(MlflowTracker(output_dir, config, run_id))
