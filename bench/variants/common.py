@@ -16,7 +16,6 @@ import time
 import torch
 import torch.distributed as dist
 from ddp_project.metrics import StepClock  # the project's own clock: every variant timed alike
-from ddp_project.task import MLP, synthetic_regression
 from ddp_project.workarounds import exit_process
 
 STARTED_AT = time.time()
@@ -24,7 +23,7 @@ STARTED_AT = time.time()
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--dataset-size", type=int, required=True)
+    p.add_argument("--dataset-size", type=int, default=0)  # the images workload reads a folder
     p.add_argument("--batch-size", type=int, required=True)
     p.add_argument("--epochs", type=int, required=True)
     p.add_argument("--hidden-size", type=int, required=True)
@@ -38,6 +37,9 @@ def parse() -> argparse.Namespace:
 
 def setup(args: argparse.Namespace):
     """Process group, the project's synthetic data (on CPU) and its MLP (on the device)."""
+    # Here, not at the top: the images variant imports this file from a classification project.
+    from ddp_project.task import MLP, synthetic_regression
+
     device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)) if args.device == "cuda" else None)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -21,6 +21,7 @@ import random
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from multiprocessing import forkserver
 from typing import Any
 
 import torch
@@ -209,6 +210,21 @@ def _worker_init(worker_id: int) -> None:
         server._forkserver_alive_fd = None
 
 
+def worker_context() -> Any:
+    """The forkserver start method (None on Windows, which spawns), its server started now.
+
+    The server imports torch once and forks each worker from that; started at launch, its
+    import (1-2 s) runs while this process joins its peers and builds the data and the model,
+    instead of holding up the first batch.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    multiprocessing.set_forkserver_preload(["torch"])  # workers start with torch imported
+    context = multiprocessing.get_context("forkserver")
+    forkserver.ensure_running()
+    return context
+
+
 def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_workers: int,
                  pin_memory: bool) -> InProcessLoader | DataLoader:
     """A loader over `batches` (a ShardedBatchSampler or FixedBatches) of `dataset`.
@@ -222,13 +238,9 @@ def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_w
     fetcher = BatchFetcher(dataset, collate)
     if num_workers == 0:
         return InProcessLoader(fetcher, batches)
-    context = None
-    if "forkserver" in multiprocessing.get_all_start_methods():  # not on Windows: spawn there
-        multiprocessing.set_forkserver_preload(["torch"])  # workers start with torch imported
-        context = multiprocessing.get_context("forkserver")
     return DataLoader(fetcher, batch_sampler=batches, collate_fn=_as_is, num_workers=num_workers,
                       pin_memory=pin_memory, persistent_workers=True, worker_init_fn=_worker_init,
-                      multiprocessing_context=context)
+                      multiprocessing_context=worker_context())
 
 
 def _apply(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

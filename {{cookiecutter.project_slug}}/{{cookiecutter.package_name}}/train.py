@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from . import task
 from .config import Config, parse_args
-from .data import ShardedBatchSampler, build_loader, validation_batches
+from .data import ShardedBatchSampler, build_loader, validation_batches, worker_context
 from .distributed import (
     assign_devices,
     cleanup,
@@ -102,6 +102,8 @@ def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device
 def run(cfg: Config, world: World) -> dict:
     """Train as one process of `world`. The process group is always left, even on errors."""
     lifeline = Lifeline(world.rank, cfg.timeout_s).start()  # signals count from here on
+    if cfg.num_workers > 0:
+        worker_context()  # the data workers' server starts its imports now
     store = rdzv = None
     try:
         cuda_count = torch.cuda.device_count()
