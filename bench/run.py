@@ -187,7 +187,7 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=40,
                         help="CPU: paired in-process runs for the per-step overhead of ours over raw (0 = skip)")
     parser.add_argument("--saves", action="store_true",
-                        help="CPU: checkpoint stall per save, sync vs --async-save, DDP and fsdp, on a 1 GB state")
+                        help="CPU: checkpoint stall per save, sync vs --async-save, DDP and fsdp, on a 1.2 GB state")
     parser.add_argument("--variants", default=None, help="comma-separated subset of the variants to run")
     parser.add_argument("--kills", type=int, default=0,
                         help="CPU: SIGKILL a worker this many times and time the recovery under torchrun")
