@@ -49,7 +49,6 @@ VARIANTS_OF = {"tiny": ["ours", "raw", "raw+DataLoader", "tutorial", "lightning"
                "mlp-6MB": ["ours", "ours-fsdp", "raw", "raw+DataLoader", "tutorial", "lightning"],
                "images": ["ours", "raw+DataLoader"],
                "smoke": ["ours", "raw", "raw+DataLoader", "tutorial", "lightning"]}
-IMAGES = 4096  # in the folder of the images workload: 10 classes, 24 x 20 pixels, PPM
 DEFAULT_WORKLOADS = "tiny,mlp-6MB,images"
 SCRIPTS = {"raw": "raw.py", "raw+DataLoader": "raw_dataloader.py", "tutorial": "tutorial.py",
            "lightning": "lightning_variant.py"}
@@ -189,6 +188,8 @@ def main() -> int:
     parser.add_argument("--saves", action="store_true",
                         help="CPU: checkpoint stall per save, sync vs --async-save, DDP and fsdp, on a 1.2 GB state")
     parser.add_argument("--variants", default=None, help="comma-separated subset of the variants to run")
+    parser.add_argument("--images", type=int, default=4096,
+                        help="images in the folder of the images workload (10 classes, 24 x 20 pixels, PPM)")
     parser.add_argument("--kills", type=int, default=0,
                         help="CPU: SIGKILL a worker this many times and time the recovery under torchrun")
     args = parser.parse_args()
@@ -205,7 +206,7 @@ def main() -> int:
     projects = {task: bake(args.out / f"baked-{task}", task)
                 for task in sorted({WORKLOADS[w]["task"] for w in workloads} | {"regression"})}
     if "images" in workloads:
-        WORKLOADS["images"]["data"] = write_images(args.out / "images", IMAGES)
+        WORKLOADS["images"]["data"] = write_images(args.out / "images", args.images)
     python_for_lightning = None
     raw: dict = {}
     for workload in workloads:

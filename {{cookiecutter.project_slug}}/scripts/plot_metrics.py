@@ -15,11 +15,13 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("metrics", type=Path, nargs="?",
-                        default=Path("runs/latest/metrics.jsonl"))
+    parser.add_argument("metrics", type=Path, nargs="?", default=Path("runs/latest/metrics.jsonl"),
+                        help="a metrics.jsonl or the run folder holding it")
     parser.add_argument("-o", "--output", type=Path,
                         help="PNG to write (default: metrics.png beside the metrics)")
     args = parser.parse_args(argv)
+    if args.metrics.is_dir():  # a run's folder, such as runs/latest
+        args.metrics = args.metrics / "metrics.jsonl"
     if not args.metrics.is_file():
         parser.error(f"{args.metrics}: no such file; train first, or pass a metrics.jsonl")
     try:

@@ -152,6 +152,11 @@ def test_plot_metrics_script(workdir):
                          str(workdir / "runs/latest/metrics.jsonl"), "-o", str(out)], workdir))
     assert result.stdout.strip() == str(out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    # The run's folder works too; the picture goes beside its metrics.
+    result = ok(run_cmd([sys.executable, str(PROJECT_ROOT / "scripts/plot_metrics.py"),
+                         "runs/latest"], workdir))
+    assert result.stdout.strip() == "runs/latest/metrics.png"
+    assert (workdir / "runs/latest/metrics.png").stat().st_size > 10_000
 
 
 @pytest.mark.compile
