@@ -68,12 +68,12 @@ def expected_files(package: str, answers: dict) -> set[str]:
         "scripts/plot_metrics.py",
     }
     files |= {f"tests/{name}.py" for name in (
-        "conftest", "test_checkpoint", "test_config", "test_custom_task", "test_data",
+        "conftest", "hosts", "test_backstop", "test_checkpoint", "test_config", "test_custom_task", "test_data",
         "test_distributed", "test_features", "test_hangs", "test_launchers", "test_layouts",
         "test_mistakes", "test_nccl", "test_recovery", "test_task", "test_tracker", "test_train")}
     files |= {f"{package}/{name}.py" for name in (
-        "__init__", "checkpoint", "config", "data", "distributed", "doctor", "environments", "evaluation",
-        "failures", "lifeline", "metrics", "nccl", "optim", "parallel", "resume", "sharded",
+        "__init__", "backstop", "checkpoint", "config", "data", "distributed", "doctor", "environments", "evaluation",
+        "failures", "lifeline", "metrics", "nccl", "network", "optim", "parallel", "resume", "sharded",
         "task", "trackers", "train", "trainer", "workarounds")}
     if answers.get("slurm", True):
         files |= {"scripts/slurm/torchrun.sbatch", "scripts/slurm/srun.sbatch",

@@ -23,8 +23,19 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 NPROC=${NPROC:-$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 2)")}
+# Many machines resolve their own name to a loopback address. Then torchrun does not see that it
+# owns the endpoint (no node would host the rendezvous) and tells the training processes an
+# address no other node can reach. So: this node's address on the route to the head, and
+# whether the endpoint is this node. (The training processes pick the same interface for gloo
+# and NCCL themselves.)
+read -r IFACE LOCAL_ADDR IS_HOST < <("$PYTHON" -m {{ cookiecutter.package_name }}.network "${ENDPOINT%:*}")
+NETWORK=(--local-addr="$LOCAL_ADDR")
+if [[ "$LOCAL_ADDR" != 127.* && "$LOCAL_ADDR" != "::1" ]]; then
+  NETWORK+=(--rdzv-conf="is_host=$IS_HOST")
+fi
+echo "node $NODE_RANK: $LOCAL_ADDR on ${IFACE}, rendezvous at $ENDPOINT (this node hosts it: $IS_HOST)"
 exec torchrun \
   --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC" \
   --rdzv-backend=c10d --rdzv-endpoint="$ENDPOINT" --rdzv-id="${RDZV_ID:-ddp-job}" \
-  --max-restarts="${MAX_RESTARTS:-3}" \
+  --max-restarts="${MAX_RESTARTS:-3}" "${NETWORK[@]}" \
   train.py "$@"

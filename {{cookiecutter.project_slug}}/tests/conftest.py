@@ -52,6 +52,14 @@ def python_train(args: list[str], cwd: Path, timeout: float = 240,
     return run_cmd([sys.executable, TRAIN, "--no-progress", *args], cwd, timeout, **env)
 
 
+def write_store_file(path: Path, **keys: str) -> Path:
+    """A FileStore file holding `keys`, as a run leaves it: records of a 4-byte little-endian
+    length and that many bytes, key then value."""
+    fields = [part.encode() for item in keys.items() for part in (f"/{item[0]}", item[1])]
+    path.write_bytes(b"".join(len(f).to_bytes(4, "little") + f for f in fields))
+    return path
+
+
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, (f"exit {result.returncode}\nstdout:\n{result.stdout}\n"
                                     f"stderr:\n{result.stderr}")
@@ -157,3 +165,16 @@ def write_script(path: Path, body: str) -> Path:
 
 def path_with(folder: Path) -> str:
     return f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+@pytest.fixture
+def hosts():
+    """Two test hosts on a LAN of their own (tests/hosts.py), removed afterwards with every
+    process on them; skips where network namespaces cannot be made (not root, no `ip`)."""
+    from hosts import TestHosts, available
+
+    why = available()
+    if why:
+        pytest.skip(why)
+    with TestHosts(2) as made:
+        yield made

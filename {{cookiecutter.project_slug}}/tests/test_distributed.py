@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_store_file
 
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.distributed import (
@@ -199,8 +200,7 @@ def test_bad_init_methods_are_explained(tmp_path, method, says):
 
 
 def test_stale_and_fresh_store_files(tmp_path: Path):
-    fresh = tmp_path / "fresh"
-    fresh.write_bytes(b"a peer of this launch wrote this a moment ago")
+    fresh = write_store_file(tmp_path / "fresh", peer="of this launch, a moment ago")
     assert resolve_rendezvous(str(fresh), WORLD, tmp_path).path == fresh.resolve()
     os.utime(fresh, (0, 0))
     with pytest.raises(SetupError, match="left over from an earlier run"):

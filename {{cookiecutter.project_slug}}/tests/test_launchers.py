@@ -21,6 +21,7 @@ from conftest import (
     run_cmd,
     summary,
     torchrun,
+    write_store_file,
 )
 
 from {{ cookiecutter.package_name }}.environments import find_free_port
@@ -116,8 +117,7 @@ def test_file_init_under_torchrun_in_an_output_dir_with_a_space(workdir):
 
 
 def test_stale_store_file_is_refused(workdir):
-    stale = workdir / "store"
-    stale.write_bytes(b"keys of a run that was killed")
+    stale = write_store_file(workdir / "store", key="of a run that was killed")
     an_hour_ago = time.time() - 3600
     os.utime(stale, (an_hour_ago, an_hour_ago))
     started = time.monotonic()

@@ -18,9 +18,15 @@ from urllib.parse import unquote, urlparse
 import torch
 import torch.distributed as dist
 
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
 from .environments import World
 from .failures import SetupError
 from .lifeline import Lifeline
+from .network import VARIABLES, advertised_address
 from .workarounds import agent_store, remove_file_store, use_libuv, windows_env
 
 
@@ -169,12 +175,51 @@ def resolve_rendezvous(method: str, world: World, rendezvous_dir: Path,
 STALE_AFTER_S = 60.0
 
 
+def store_file_problem(data: bytes) -> str | None:
+    """Why `data` is not a FileStore file, or None. The format: records of a 4-byte length and
+    that many bytes, key then value. PyTorch reads any other content forever, holding the
+    interpreter lock (seen with torch 2.13: 1, 7 or 438 zero bytes, random bytes)."""
+    position, fields = 0, 0
+    while position < len(data):
+        if position + 4 > len(data):
+            return f"it ends inside a record ({len(data)} bytes)"
+        size = int.from_bytes(data[position:position + 4], "little")
+        position += 4 + size
+        if position > len(data):
+            return f"a record runs past its end ({len(data)} bytes)"
+        if fields % 2 == 0 and size == 0:
+            return "it holds an empty key (zeros?)"
+        fields += 1
+    return None if fields % 2 == 0 else "a key has no value"
+
+
+def _read_shared(path: Path) -> bytes:
+    """The file's bytes, read under the lock FileStore writers take (no half-written record)."""
+    with open(path, "rb") as file:
+        if fcntl is not None:  # Windows has no flock
+            for _ in range(50):  # a writer holds it for microseconds: give up after ~1 s
+                try:
+                    fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except OSError:
+                    time.sleep(0.02)
+        return file.read()
+
+
 def check_store_file(path: Path) -> None:
-    """A FileStore file left by a killed run holds the old run's keys and would confuse this one."""
+    """A FileStore file left by a killed run holds the old run's keys and would confuse this one;
+    a file that is no store file at all would make PyTorch spin."""
     try:
         info = path.stat()
+        problem = store_file_problem(_read_shared(path)) if info.st_size > 0 else None
     except FileNotFoundError:
         return
+    except OSError as exc:
+        raise SetupError(f"rendezvous file {path} cannot be read ({exc.strerror}); delete it or "
+                         "pick another path", everywhere=True) from None
+    if problem:
+        raise SetupError(f"rendezvous file {path} is not a store file: {problem}; delete it, or "
+                         "use --init-method file for a new file per launch", everywhere=True)
     if info.st_size > 0 and info.st_mtime < time.time() - STALE_AFTER_S:
         raise SetupError(f"rendezvous file {path} is left over from an earlier run (last written "
                          f"{time.ctime(info.st_mtime)}); delete it, or use --init-method file for "
@@ -224,7 +269,7 @@ def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
         lifeline.cleanups.append(lambda: rdzv.path.unlink(missing_ok=True))
     others = f"the other {world.world_size - 1} rank(s)" if world.world_size > 1 else "the store"
     what, hint = f"{others} to join at {rdzv}", _hint(rdzv, world)
-    with lifeline.waiting(what, hint, timeout_s):
+    with lifeline.waiting(what, hint, timeout_s, phase="rendezvous"):
         try:
             store = _make_store(rdzv, world, timeout_s)
             kwargs = {}
@@ -238,6 +283,13 @@ def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
             raise
         except Exception as exc:  # a timeout, a refused or reset connection, a foreign server
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if "connectFullMesh" in first:  # the store worked: the address peers were told did not
+                raise SetupError(
+                    f"rank {world.rank}: met the other ranks at {rdzv} but could not connect to "
+                    f"them ({first}); this rank told them to reach it at "
+                    f"{advertised_address(backend, os.environ)}; set {VARIABLES[backend]} on every "
+                    "node to the interface that reaches the others (`ip route get "
+                    f"{rdzv.host or world.master_addr}` names it)") from None
             raise SetupError(f"rank {world.rank}: gave up waiting for {what} ({first}); "
                              f"{hint}") from None
     return store

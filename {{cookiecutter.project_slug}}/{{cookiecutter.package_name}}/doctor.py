@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import socket
 import sys
 import time
 
@@ -33,6 +34,7 @@ from .distributed import (
 from .environments import World, resolve_world
 from .failures import SetupError, is_communication_failure
 from .lifeline import Lifeline
+from .network import route_to, socket_interface_env
 from .train import rendezvous_dir
 
 ENV_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_",
@@ -84,6 +86,25 @@ def traps(world: World, cuda_count: int, backend: str) -> list[str]:
     return found
 
 
+def network(world: World, backend: str, master: str) -> list[str]:
+    """This rank's interface to the head node, chosen (and set) as training does, and a warning
+    where a job of several machines runs on a host whose name resolves to loopback."""
+    route = route_to(master) if world.world_size > 1 else None
+    chosen, description = socket_interface_env(backend, route, master, os.environ)
+    os.environ.update(chosen)
+    lines = [f"network: {description or 'loopback or default (one machine)'}"]
+    hostname = socket.gethostname()
+    try:
+        resolved = socket.gethostbyname(hostname)
+    except OSError:
+        resolved = ""
+    if world.world_size > world.local_world_size and resolved.startswith("127."):
+        lines.append(f"WARNING: host name {hostname} resolves to {resolved}, which other machines "
+                     f"cannot reach; the job uses {description or 'no interface of its own'} "
+                     "instead (set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to override)")
+    return lines
+
+
 def bandwidth_gb_s(device: torch.device, megabytes: int) -> float:
     """all_reduce bus bandwidth (as nccl-tests reports it): bytes x 2(n-1)/n per second."""
     data = torch.ones(megabytes * 2**20 // 4, device=device)
@@ -126,6 +147,8 @@ def check(argv: list[str] | None = None) -> int:
     rdzv = resolve_rendezvous(cfg.init_method, world, rendezvous_dir(cfg))
     print(f"{tag} backend {backend}, devices {', '.join(map(str, devices))}, visible GPUs "
           f"{cuda_count}, rendezvous {rdzv}", flush=True)
+    for line in network(world, backend, rdzv.host or world.master_addr):
+        print(f"{tag} {line}", flush=True)
     lifeline = Lifeline(world.rank, cfg.timeout_s).start()
     store = None
     try:

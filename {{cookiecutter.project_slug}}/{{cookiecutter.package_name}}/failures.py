@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,10 @@ class SetupError(RuntimeError):
         super().__init__(message)
         self.everywhere = everywhere
         self.quiet = quiet
+
+
+class LostContact(SetupError):
+    """This rank lost its peers and the job's store: its host may be cut off from the network."""
 
 
 def local_rank_from_env() -> int:
@@ -69,24 +74,88 @@ def is_communication_failure(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or any(t in str(exc) for t in _COMMUNICATION_FAILURES)
 
 
+# How long the error path may talk to the store. A store whose host vanished from the network
+# answers nothing: one call would block for the whole store timeout (--timeout-s), or for TCP's
+# retransmission timeout (minutes).
+RECORD_S = 2.0
+EXPLAIN_S = 5.0
+
+
+def bounded(call: Callable[[], Any], seconds: float) -> Any:
+    """`call()` in a helper thread; raises TimeoutError if it has not returned after `seconds`
+    (the thread is left behind: the process is about to end)."""
+    outcome: list = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # handed to the caller's thread
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=target, name="store-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not outcome:
+        raise TimeoutError(f"no answer within {seconds:g} s")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
 class PeerErrors:
     """Failure records in the job's key-value store, which every rank reaches.
 
     Under torchrun the store lives in the launcher's agent and outlives the workers; under other
     launchers rank 0 hosts it, so records of rank 0's own failures reach peers through the
-    collectives that agree on rank 0's decisions instead (see `resume.agree`).
+    collectives that agree on rank 0's decisions instead (see `resume.agree`). Every store call
+    here is bounded in time: the store may have gone with a host.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, address: str = "",
+                 store_at: str = "") -> None:
+        """address: this rank's address on the job's network (host names may repeat);
+        store_at: where the store is, for messages."""
         self.store, self.rank, self.world_size = store, rank, world_size
-        self.host = socket.gethostname()
+        self.store_at = store_at
+        self.host = socket.gethostname() + (f" ({address})" if address else "")
+
+    def announce(self) -> None:
+        """Say where this rank runs, so a peer can name the host of a rank that went silent."""
+        try:
+            bounded(lambda: self.store.set(f"host/{self.rank}", self.host), RECORD_S)
+        except Exception:
+            pass
 
     def record(self, message: str) -> None:
         """Leave this rank's own error for its peers (best effort: the store may be gone)."""
         try:
-            self.store.set(f"error/{self.rank}", f"{self.host}\n{message}")
+            bounded(lambda: self.store.set(f"error/{self.rank}", f"{self.host}\n{message}"),
+                    RECORD_S)
         except Exception:
             pass
+
+    def _look(self, wait_s: float, closed: bool) -> SetupError | list[str]:
+        """A peer's own error, or the ranks that did not mark the failure within `wait_s`."""
+        self.store.set(f"comm_failure/{self.rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = self._recorded()
+            if found:
+                rank, host, message = found
+                return SetupError(f"rank {self.rank}: stopped because rank {rank} on {host} "
+                                  f"failed: {message}", quiet=host == self.host)
+            missing = [r for r in range(self.world_size)
+                       if not self.store.check([f"comm_failure/{r}"])]
+            # Two ranks: if the other one left no record, it is the one that is gone.
+            if (not missing or time.monotonic() > deadline
+                    or (closed and len(missing) == 1 and self.world_size == 2)):
+                return [f"{r} on {self._host_of(r)}" for r in missing]
+            time.sleep(0.05)
+
+    def _host_of(self, rank: int) -> str:
+        key = f"host/{rank}"
+        return self.store.get(key).decode() if self.store.check([key]) else "an unknown host"
 
     def _recorded(self) -> tuple[int, str, str] | None:
         for rank in range(self.world_size):
@@ -98,30 +167,21 @@ class PeerErrors:
     def explain(self, exc: BaseException, timeout_s: float) -> SetupError:
         """The error to raise on this rank after a collective failed with `exc`."""
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        silent = "unknown (the job's store is gone too)"
+        # A closed connection means the peer's process is gone: the survivors notice within
+        # milliseconds, so a short look is enough. A stalled peer never answers: wait longer
+        # for the live ones to mark themselves.
+        closed = any(text in first_line for text in _CLOSED)
         try:
-            self.store.set(f"comm_failure/{self.rank}", "1")
-            # A closed connection means the peer's process is gone: the survivors notice within
-            # milliseconds, so a short look is enough. A stalled peer never answers: wait longer
-            # for the live ones to mark themselves.
-            closed = any(text in first_line for text in _CLOSED)
-            deadline = time.monotonic() + (0.5 if closed else 3.0)
-            while True:
-                found = self._recorded()
-                if found:
-                    rank, host, message = found
-                    return SetupError(f"rank {self.rank}: stopped because rank {rank} on {host} "
-                                      f"failed: {message}", quiet=host == self.host)
-                missing = [r for r in range(self.world_size)
-                           if not self.store.check([f"comm_failure/{r}"])]
-                # Two ranks: if the other one left no record, it is the one that is gone.
-                if (not missing or time.monotonic() > deadline
-                        or (closed and len(missing) == 1 and self.world_size == 2)):
-                    break
-                time.sleep(0.05)
-            silent = ", ".join(map(str, missing)) if missing else "none found (all saw the failure)"
-        except Exception:  # the store may have died with the rank that hosted it
-            pass
+            found = bounded(lambda: self._look(0.5 if closed else 3.0, closed), EXPLAIN_S)
+        except Exception:  # the store may have died with the rank or the host that held it
+            return LostContact(
+                f"rank {self.rank} on {self.host}: lost contact with the other ranks "
+                f"({first_line}) and with the job's store{self.store_at}, which does not answer "
+                "either: this host may have dropped off the network, or the store's host is "
+                "gone; see the other ranks' output")
+        if isinstance(found, SetupError):
+            return found
+        silent = ", ".join(found) if found else "none found (all saw the failure)"
         return SetupError(
             f"rank {self.rank}: communication with the other ranks failed ({first_line}); "
             f"rank(s) that stopped answering: {silent}. A rank that dies or hangs longer than "

@@ -12,6 +12,9 @@ it. So one watcher thread per process does two jobs:
   start-up there is nothing to save, so the process ends at once with a line that says so; during
   training the loop is asked to stop at its next log step, where the ranks agree, save and exit.
   A second Ctrl-C ends the process at once.
+
+The thread needs the interpreter lock. When a C call holds it, the backstop (backstop.py), a
+watchdog process that gets every signal and deadline too, ends the process instead.
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+
+from .backstop import MARGIN_S, SAME_EVENT_S, Backstop
 
 STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT] + (
     [signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
-# Signals this close together are one event: Ctrl-C reaches torchrun's workers both from the
-# terminal and, a moment later, forwarded by torchrun itself.
-SAME_EVENT_S = 1.0
+# A second one of these ends the process at once (SIGUSR1 is SLURM's early warning).
+ENDING = (signal.SIGTERM, signal.SIGINT)
 
 
 def _say(text: str) -> None:
@@ -37,11 +42,14 @@ def _say(text: str) -> None:
 
 
 class Lifeline:
-    def __init__(self, rank: int, timeout_s: float) -> None:
+    def __init__(self, rank: int, timeout_s: float, output_dir: str | Path = ".",
+                 launcher_pid: int = 0) -> None:
+        """launcher_pid: the process whose end ends this one (0: none, e.g. a plain `python`)."""
         self.rank, self.timeout_s = rank, timeout_s
-        self.phase = "starting"  # then "training", then "finishing"
+        self._backstop = Backstop(rank, Path(output_dir) / f"stacks-rank{rank}.txt", launcher_pid)
+        self._phase = "starting"  # then "training", then "finishing"
+        self._resume_hint = "nothing to save"
         self.stop_signal: int | None = None
-        self.resume_hint = "nothing to save"
         self.cleanups: list[Callable[[], None]] = []  # run before the process is ended here
         self._first_signal_at = 0.0
         # deadline (--timeout-s plus a margin), what, hint, the timeout
@@ -52,15 +60,39 @@ class Lifeline:
         self._old_wakeup_fd = -1
         self._thread = threading.Thread(target=self._watch, name="lifeline", daemon=True)
 
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        if self._backstop:
+            self._backstop.tell("phase", value)
+
+    @property
+    def resume_hint(self) -> str:
+        return self._resume_hint
+
+    @resume_hint.setter
+    def resume_hint(self, value: str) -> None:
+        self._resume_hint = value
+        if self._backstop:
+            self._backstop.tell("hint", value)
+
     # ------------------------------------------------------------------ main thread
     def start(self) -> Lifeline:
-        """Install the signal handlers (main thread only) and start watching."""
+        """Install the signal handlers (main thread only), start the backstop and watching."""
         self._writer.setblocking(False)
+        self._backstop = self._backstop.start()
+        # Signals go to the backstop first (no interpreter lock needed), which passes them back.
+        signals = self._backstop.signals if self._backstop else self._writer
+        signals.setblocking(False)
         for signum in STOP_SIGNALS:
             # A Python-level handler must exist for the C-level one to write to the wakeup fd;
             # it does nothing itself (no KeyboardInterrupt traceback on Ctrl-C).
             self._handlers[signum] = signal.signal(signum, lambda *_: None)
-        self._old_wakeup_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        self._old_wakeup_fd = signal.set_wakeup_fd(signals.fileno(), warn_on_full_buffer=False)
         self._thread.start()
         return self
 
@@ -69,21 +101,32 @@ class Lifeline:
         signal.set_wakeup_fd(self._old_wakeup_fd)
         for signum, handler in self._handlers.items():
             signal.signal(signum, handler)
-        self.phase = "closed"
+        self._phase = "closed"
         self._writer.send(b"\0")  # wakes the thread, which then exits
+        self._thread.join()
+        if self._backstop:
+            self._backstop.close()
+            self._backstop = None
 
     @contextmanager
-    def waiting(self, what: str, hint: str, timeout_s: float | None = None) -> Iterator[None]:
+    def waiting(self, what: str, hint: str, timeout_s: float | None = None,
+                phase: str = "a collective") -> Iterator[None]:
+        """Arm a deadline of --timeout-s (plus a margin) for the block. `phase` names the kind of
+        wait (rendezvous, store, collective, checkpoint I/O, error reporting) for the backstop."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s + 2.0 + 0.1 * timeout_s
         with self._lock:
-            self._wait = (time.monotonic() + timeout_s + 2.0 + 0.1 * timeout_s, what, hint,
-                          timeout_s)
+            self._wait = (deadline, what, hint, timeout_s)
         self._poke()
+        if self._backstop:
+            self._backstop.tell("arm", deadline + MARGIN_S, phase.replace(" ", "_"), what)
         try:
             yield
         finally:
             with self._lock:
                 self._wait = None
+            if self._backstop:
+                self._backstop.tell("disarm")
 
     def _poke(self) -> None:
         try:
@@ -93,15 +136,17 @@ class Lifeline:
 
     # ------------------------------------------------------------------ watcher thread
     def _watch(self) -> None:
-        while self.phase != "closed":
+        sources = [self._reader] + ([self._backstop.signals] if self._backstop else [])
+        while self._phase != "closed":
             with self._lock:
                 wait = self._wait
             timeout = None if wait is None else max(0.0, wait[0] - time.monotonic())
-            ready, _, _ = select.select([self._reader], [], [], timeout)
+            ready, _, _ = select.select(sources, [], [], timeout)
             if ready:
-                for signum in self._reader.recv(64):
-                    if signum:
-                        self._on_signal(signum)
+                for source in ready:
+                    for signum in source.recv(64):
+                        if signum and self._phase != "closed":
+                            self._on_signal(signum)
                 continue
             with self._lock:
                 expired = self._wait is not None and self._wait[0] <= time.monotonic()
@@ -114,19 +159,22 @@ class Lifeline:
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
         now = time.monotonic()
-        if self.phase == "starting":
+        if self._phase == "starting":
             self._end(f"stopped by {name} during start-up, before the first training step: "
                       "nothing to save, nothing lost", 0)
-        if self.phase != "training":
+        if self._phase != "training":
             return
         if self.stop_signal is None:
             self.stop_signal, self._first_signal_at = signum, now
-        elif (signum == signal.SIGINT and self.stop_signal == signal.SIGINT
+        elif (signum in ENDING and self.stop_signal in ENDING
               and now - self._first_signal_at > SAME_EVENT_S):
-            self._end(f"second Ctrl-C: stopping now without saving; {self.resume_hint}", 130)
+            what = "Ctrl-C" if signum == signal.SIGINT else name
+            self._end(f"second {what}: stopping now without saving; {self._resume_hint}",
+                      128 + signum)
 
     def _end(self, line: str, code: int) -> None:
-        _say(line)
+        if not self._backstop or self._backstop.claim_last_word():
+            _say(line)
         for cleanup in self.cleanups:
             try:
                 cleanup()

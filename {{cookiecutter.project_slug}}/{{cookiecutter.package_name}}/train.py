@@ -33,13 +33,20 @@ from .distributed import (
 )
 from .environments import World, find_free_port, resolve_world
 from .evaluation import Evaluator
-from .failures import PeerErrors, SetupError, is_communication_failure, report_error
+from .failures import (
+    LostContact,
+    PeerErrors,
+    SetupError,
+    is_communication_failure,
+    report_error,
+)
 from .lifeline import STOP_SIGNALS, Lifeline
 from .nccl import flight_recorder_hint, nccl_env, startup_timeout_s
+from .network import route_to, socket_interface_env
 from .optim import Optimization
 from .parallel import parallelize
 from .trainer import Trainer
-from .workarounds import exit_process
+from .workarounds import exit_process, stop_stuck_agent
 
 STARTED_AT = time.time()  # when this process imported the code: the start of "time to first step"
 
@@ -99,9 +106,17 @@ def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device
     return trainer.train()
 
 
+def launcher_pid(world: World) -> int:
+    """The process whose end ends this one: torchrun's agent, the mp.spawn parent, srun's step
+    daemon. 0 for a process started by hand (`nohup python train.py` may outlive its shell)."""
+    managed = world.launcher in ("spawn", "slurm") or "TORCHELASTIC_RUN_ID" in os.environ
+    return os.getppid() if managed else 0
+
+
 def run(cfg: Config, world: World) -> dict:
     """Train as one process of `world`. The process group is always left, even on errors."""
-    lifeline = Lifeline(world.rank, cfg.timeout_s).start()  # signals count from here on
+    lifeline = Lifeline(world.rank, cfg.timeout_s, cfg.output_dir,  # signals count from here on
+                        launcher_pid(world)).start()
     if cfg.num_workers > 0:
         worker_context()  # the data workers' server starts its imports now
     store = rdzv = None
@@ -114,13 +129,21 @@ def run(cfg: Config, world: World) -> dict:
         rdzv = resolve_rendezvous(cfg.init_method, world, rendezvous_dir(cfg))
         if backend == "nccl":
             os.environ.update(nccl_env(cfg.output_dir, os.environ))
+        master = rdzv.host or world.master_addr
+        route = route_to(master) if world.world_size > 1 else None
+        interface, network = socket_interface_env(backend, route, master, os.environ)
+        os.environ.update(interface)  # before the process group starts: gloo reads it then
         store = ddp_setup(world, backend, rdzv, startup_timeout_s(cfg.timeout_s, backend),
                           devices, lifeline)
         if world.is_main:
             print(f"world: {world.world_size} process(es), launcher {world.launcher}, backend "
                   f"{backend}, layout {cfg.model_layout}, rank 0 on "
-                  f"{', '.join(map(str, devices))}", flush=True)
-        peers = PeerErrors(store, world.rank, world.world_size)
+                  f"{', '.join(map(str, devices))}" + (f", network {network}" if network else ""),
+                  flush=True)
+        peers = PeerErrors(store, world.rank, world.world_size,
+                           route.address if route and not route.loopback else "",
+                           f" at {rdzv.host}:{rdzv.port}" if rdzv.port else "")
+        peers.announce()
         try:
             return train_on(cfg, world, backend, devices, lifeline)
         except SetupError as exc:
@@ -129,7 +152,9 @@ def run(cfg: Config, world: World) -> dict:
             raise
         except Exception as exc:
             if world.world_size > 1 and is_communication_failure(exc):
-                error = peers.explain(exc, cfg.timeout_s)
+                with lifeline.waiting("the job's store, to learn why the others stopped",
+                                      "see the other ranks' output", phase="error reporting"):
+                    error = peers.explain(exc, cfg.timeout_s)
                 if backend == "nccl":
                     error = SetupError(f"{error}; {flight_recorder_hint(cfg.output_dir)}",
                                        quiet=error.quiet)
@@ -137,8 +162,10 @@ def run(cfg: Config, world: World) -> dict:
             peers.record(f"{type(exc).__name__}: {exc}".splitlines()[0])
             raise
     finally:
+        with lifeline.waiting("the process group to shut down", "see the other ranks' output",
+                              phase="shutdown"):
+            cleanup(store, rdzv)
         lifeline.close()
-        cleanup(store, rdzv)
 
 
 def run_and_report(cfg: Config, world: World) -> int:
@@ -147,7 +174,13 @@ def run_and_report(cfg: Config, world: World) -> int:
     try:
         run(cfg, world)
     except SetupError as exc:
-        report_error(exc, world.local_rank)
+        agent = launcher_pid(world) if world.launcher == "torchrun" else 0
+        if isinstance(exc, LostContact) and agent and world.world_size > world.local_world_size:
+            report_error(LostContact(f"{exc}. torchrun's agent on this node was stopped too: it "
+                                     "waits on that store with no timeout"), world.local_rank)
+            stop_stuck_agent(agent)
+        else:
+            report_error(exc, world.local_rank)
         return 1
     except Exception:
         traceback.print_exc()  # a bug, not a known failure: the whole story

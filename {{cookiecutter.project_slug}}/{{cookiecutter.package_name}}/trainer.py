@@ -87,7 +87,8 @@ class Trainer:
     def resume(self) -> None:
         """Apply --resume: rank 0 takes the checkpoint folder and chooses; every rank loads."""
         with self.lifeline.waiting("rank 0 to open --checkpoint-dir and choose a checkpoint",
-                                   "check that rank 0 is alive and its storage answers"):
+                                   "check that rank 0 is alive and its storage answers",
+                                   phase="checkpoint I/O"):
             choice = agree(self._open_and_pick, self.comm_device)
         if choice is None:
             return

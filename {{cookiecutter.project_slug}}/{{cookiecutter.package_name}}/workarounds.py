@@ -7,6 +7,7 @@ seen with. Delete a function (and its one call) once the minimum supported torch
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +30,21 @@ def exit_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def stop_stuck_agent(agent_pid: int) -> None:
+    """SIGKILL torchrun's agent on this node, once this node has lost the job's store.
+
+    Without it: the agent's monitoring loop asks its rendezvous store how many nodes wait, and a
+    TCPStore get whose host dropped off the network blocks in recv() forever (no timeout; SIGTERM
+    does nothing, recv is retried). The training processes end by their deadlines, the agent never
+    does, and the node stays busy. Upstream: https://github.com/pytorch/pytorch/issues/129367 (a
+    get stuck in recv). Seen with torch 2.13 on two network-namespace hosts, one cut off.
+    """
+    try:
+        os.kill(agent_pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def remove_file_store(store: dist.Store, path: Path, world_size: int) -> None:

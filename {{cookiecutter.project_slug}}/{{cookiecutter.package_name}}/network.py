@@ -1,0 +1,129 @@
+"""Which network interface the ranks talk over.
+
+gloo and NCCL advertise to their peers the address their host name resolves to. Many machines
+resolve their own name to a loopback address (Debian and Ubuntu map it to 127.0.1.1), which no
+other machine can reach, and a multi-node job then fails at its first collective. The interface
+that works is the one whose address the kernel uses to reach MASTER_ADDR: `ip route get ADDR`
+shows it. `socket_interface_env` picks it when GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are unset;
+a value the user set wins.
+
+`python -m <package>.network HOST` prints `INTERFACE ADDRESS IS_LOCAL` for the multi-node script.
+No torch import here: the script calls it before torchrun starts.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import struct
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+VARIABLES = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
+
+
+@dataclass(frozen=True)
+class Route:
+    interface: str  # "" when unknown (not Linux)
+    address: str  # this machine's address on the way to the host
+    loopback: bool  # the host is this machine, reached over loopback
+
+
+def _addresses(interface: str) -> set[str]:
+    """The IPv4 and IPv6 addresses of one interface (Linux)."""
+    found = set()
+    try:
+        import fcntl
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            request = struct.pack("256s", interface[:15].encode())
+            found.add(socket.inet_ntoa(fcntl.ioctl(probe.fileno(), 0x8915, request)[20:24]))
+    except (OSError, ImportError):  # no IPv4 address (0x8915: SIOCGIFADDR), or not Linux
+        pass
+    try:
+        for line in Path("/proc/net/if_inet6").read_text().splitlines():
+            fields = line.split()
+            if fields[-1] == interface:
+                found.add(str(ipaddress.IPv6Address(bytes.fromhex(fields[0]))))
+    except OSError:
+        pass
+    return found
+
+
+def route_to(host: str) -> Route | None:
+    """How this machine reaches `host`; None when `host` does not resolve or has no route."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)  # UDP: only asks the kernel for a route; nothing is sent
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    local = local.split("%", 1)[0]
+    loopback = ipaddress.ip_address(local).is_loopback
+    interface = ""
+    try:
+        for _, name in socket.if_nameindex():
+            if local in _addresses(name):
+                interface = name
+                break
+    except OSError:
+        pass
+    return Route(interface, local, loopback)
+
+
+def is_local(address: str) -> bool:
+    """Whether `address` belongs to this machine (a socket can be bound to it)."""
+    try:
+        family = socket.getaddrinfo(address, 0)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def socket_interface_env(backend: str, route: Route | None, master_addr: str,
+                         env: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """The variables to set (none when the user set them, on one machine, or without a route)
+    and a description for the start-up line."""
+    name = VARIABLES.get(backend)
+    if name is None or route is None:
+        return {}, ""
+    if env.get(name):
+        return {}, f"{env[name]} ({name}, set by you)"
+    if route.loopback or not route.interface:
+        return {}, ""
+    return {name: route.interface}, f"{route.interface} ({route.address}, routes to {master_addr})"
+
+
+def advertised_address(backend: str, env: Mapping[str, str]) -> str:
+    """The address this process offers its peers when no variable chooses one: its host name's."""
+    name = VARIABLES.get(backend, "")
+    if env.get(name):
+        addresses = _addresses(env[name])
+        return f"{', '.join(sorted(addresses)) or '?'} (interface {env[name]}, from {name})"
+    try:
+        hostname = socket.gethostname()
+        return f"{socket.gethostbyname(hostname)} (the address host name {hostname} resolves to)"
+    except OSError:
+        return "unknown (the host name does not resolve)"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m <package>.network HOST", file=sys.stderr)
+        return 2
+    route = route_to(argv[0])
+    if route is None:
+        print(f"error: no route to {argv[0]}: check the host name and the network",
+              file=sys.stderr)
+        return 1
+    print(route.interface or "-", route.address, "true" if is_local(argv[0]) else "false")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
