@@ -108,10 +108,30 @@ ALLOWED_SKIPS = ("needs CUDA GPUs and a PyTorch build with NCCL", "this project 
                  "this machine has GPUs")
 
 
+def test_the_readme_pytest_runs_the_default_tier(default_project, torch_venv, quickstart_done):
+    """`pytest -q` (the quickstart's last line) selects the fast tier: every module's unit tests,
+    the task's tests and one real kill-and-resume; `--full` adds the rest."""
+    def collected(*extra: str) -> list[str]:
+        result = check_ok(torch_venv.run([torch_venv.python, "-m", "pytest", "--collect-only",
+                                          "-q", "-p", "no:cacheprovider", *extra],
+                                         default_project))
+        return [line for line in result.stdout.splitlines() if "::" in line]
+
+    default, full = collected(), collected("--full")
+    assert set(default) < set(full)
+    files = {line.split("::")[0] for line in default}
+    assert {"tests/test_task.py", "tests/test_config.py", "tests/test_checkpoint.py",
+            "tests/test_data.py", "tests/test_distributed.py"} <= files, files
+    assert [line for line in default if "test_recovery.py" in line] == [
+        "tests/test_recovery.py::test_sigkill_then_resume_is_bit_for_bit[mid-epoch-rank0]"]
+    assert not files & {"tests/test_network.py", "tests/test_backstop.py",
+                        "tests/test_launchers.py", "tests/test_mistakes.py"}
+
+
 def test_the_projects_whole_suite_passes_in_the_venv(default_project, torch_venv,
                                                      quickstart_done):
-    result = torch_venv.run([torch_venv.python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             "-rs"], default_project, timeout=1800)
+    result = torch_venv.run([torch_venv.python, "-m", "pytest", "-q", "--full", "-p",
+                             "no:cacheprovider", "-rs"], default_project, timeout=2400)
     check_ok(result)
     summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary and "error" not in summary
@@ -160,8 +180,8 @@ def test_each_tracker_works_through_its_own_dependency(tmp_path, torch_venv, qui
     torch_venv.pip("-e", str(project), cwd=project)  # no extras: the tracker is a dependency
     assert torch_venv.has(module, project)
     test = "tests/test_tracker.py::test_the_tracker_logs_every_metric_and_a_resumed_run_continues_its_run"
-    result = torch_venv.run([torch_venv.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-                            project, timeout=600)
+    result = torch_venv.run([torch_venv.python, "-m", "pytest", "-q", "--full", "-p",
+                             "no:cacheprovider", test], project, timeout=600)
     check_ok(result)
     assert "1 passed" in result.stdout.splitlines()[-1]
 
@@ -181,7 +201,7 @@ SUITES = [
 @pytest.mark.parametrize("answers", SUITES, ids=answers_id)
 def test_other_tasks_and_answers_pass_their_tests(tmp_path, answers):
     project = bake_to(tmp_path, **answers)
-    pytest_ = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    pytest_ = [PYTHON, "-m", "pytest", "-q", "--full", "-p", "no:cacheprovider"]
     # test_train's resume tests are left to the default project's suite: resuming with these
     # layouts is checked by the layout tests below.
     check_ok(run([*pytest_, "tests/test_task.py", "tests/test_train.py", "tests/test_config.py",

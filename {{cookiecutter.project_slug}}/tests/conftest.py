@@ -12,6 +12,29 @@ from pathlib import Path
 import pytest
 import torch
 
+# Two tiers. `pytest` runs in about two minutes: every module's unit tests, your task's tests and
+# one real 2-process run that is killed, resumed and compared bit for bit. `pytest --full` adds
+# the rest: every launcher, recovery, hangs and the backstop, the mistakes table, the layouts
+# (fsdp), trackers, torch.compile, NCCL and the multi-machine network tests.
+FULL_TIER = {"full", "launchers", "recovery", "features", "compile", "network", "nccl"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="also run the slow tier (launchers, recovery, fsdp, network, ...)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    slow = [item for item in items
+            if FULL_TIER & {m.name for m in item.iter_markers()}
+            and item.get_closest_marker("quick") is None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item not in slow]
+
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(PROJECT_ROOT / "train.py")
 # Variables a launcher sets: a test starts its own jobs and must never inherit a world.

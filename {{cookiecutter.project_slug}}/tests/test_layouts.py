@@ -34,6 +34,8 @@ from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.data import BatchFetcher
 from {{ cookiecutter.package_name }}.parallel import model_blocks, split_over_two
 
+pytestmark = pytest.mark.full  # the slow tier: pytest --full
+
 QUICK = ["--dataset-size", "256", "--batch-size", "16", "--hidden-size", "16"]  # 8 steps an epoch
 
 

@@ -15,6 +15,8 @@ from conftest import ok, one_error, read_metrics, torchrun
 from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
 from {{ cookiecutter.package_name }}.config import DEFAULT_TRACKER, TRACKERS
 
+pytestmark = pytest.mark.full  # the slow tier: pytest --full
+
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny"}
 ARGS = ["--hidden-size", "8", "--dataset-size", "256", "--batch-size", "16", "--log-every", "2",
         "--epochs", "2", "--save-every-steps", "4"]  # 8 steps an epoch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from conftest import (
     PROJECT_ROOT,
     assert_same_model,
@@ -20,6 +21,8 @@ from conftest import (
 )
 
 from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints
+
+pytestmark = pytest.mark.full  # the slow tier: pytest --full
 
 SMALL = ["--dataset-size", "512", "--batch-size", "16", "--hidden-size", "16"]  # 16 steps an epoch
 
