@@ -4,13 +4,16 @@ project, and trains, evaluates and resumes exactly under torchrun with no other 
 
 from __future__ import annotations
 
+import json
 import shutil
+import sys
 
 import pytest
 from conftest import (
     PROJECT_ROOT,
     assert_same_model,
     final_model,
+    load_state,
     needs_numpy,
     ok,
     read_metrics,
@@ -19,14 +22,29 @@ from conftest import (
     torchrun_cmd,
 )
 
+from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints
+
+pytestmark = pytest.mark.full  # the slow tier: pytest --full
+
 PACKAGE = "{{ cookiecutter.package_name }}"
 
 CUSTOM_TASK = '''
 """A user's task: which of two noisy 8-dim clusters a point is from, as dicts all the way."""
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
+
+from {{ cookiecutter.package_name }}.config import setting
+
+
+@dataclass
+class Settings:  # the task's own flags: --dataset-size, --hidden-size, --dropout
+    dataset_size: int = setting(400, "points to train on")
+    hidden_size: int = setting(32, "width of the net", low=1)
+    dropout: float = setting(0.1, "dropout after the first layer", low=0)
 
 
 class Points(Dataset):  # per-sample, dict items, no __getitems__
@@ -49,13 +67,14 @@ def collate(samples):
 
 
 def build_datasets(cfg):
-    return Points(cfg.dataset_size, cfg.seed), Points(37, cfg.seed + 100)
+    return Points(cfg.task.dataset_size, cfg.seed), Points(37, cfg.seed + 100)
 
 
 class Net(nn.Module):
-    def __init__(self, width):
+    def __init__(self, width, dropout):
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, width))
+        self.body = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Dropout(dropout),
+                                  nn.Linear(width, width))
         self.out = nn.Linear(width, 2)
 
     def forward(self, features):
@@ -64,7 +83,7 @@ class Net(nn.Module):
 
 
 def build_model(cfg):
-    return Net(cfg.hidden_size)
+    return Net(cfg.task.hidden_size, cfg.task.dropout)
 
 
 def blocks(model):
@@ -117,3 +136,40 @@ def test_a_task_of_dicts_trains_evaluates_and_resumes(custom_project, layout):
     train("--checkpoint-dir", "b", "--output-dir", "rb")
     assert summary(custom_project / "rb")["resumed_from"]
     assert_same_model(final_model(custom_project / "a"), final_model(custom_project / "b"))
+
+
+def dropout_of_the_run(project, output_dir: str, checkpoint_dir: str) -> float:
+    config = json.loads((project / output_dir / "config.json").read_text())
+    saved = load_state(list_checkpoints(project / checkpoint_dir)[0])["config"]["task"]["dropout"]
+    assert saved == config["task"]["dropout"]
+    return saved
+
+
+def test_a_setting_declared_in_task_py_alone_is_a_flag_everywhere(custom_project):
+    """`dropout` exists only in the task's Settings: a flag under torchrun and spawn, a key of
+    --config files, saved in config.json and in every checkpoint, and checked like any flag."""
+    small = ["--no-progress", "--epochs", "1", "--batch-size", "16"]
+    run = {"PYTHONPATH": str(custom_project)}
+    ok(run_cmd([*torchrun_cmd(2), "train.py", *small, "--dropout", "0.3", "--output-dir", "a",
+                "--checkpoint-dir", "ca"], custom_project, **run))
+    assert dropout_of_the_run(custom_project, "a", "ca") == 0.3
+    ok(run_cmd([sys.executable, "train.py", "--nprocs", "2", *small, "--dropout", "0.4",
+                "--output-dir", "b", "--checkpoint-dir", "cb"], custom_project, **run))
+    assert dropout_of_the_run(custom_project, "b", "cb") == 0.4
+    (custom_project / "run.toml").write_text("dropout = 0.5\nhidden-size = 8\n")
+    ok(run_cmd([*torchrun_cmd(2), "train.py", *small, "--config", "run.toml", "--output-dir",
+                "c", "--checkpoint-dir", "cc"], custom_project, **run))
+    assert dropout_of_the_run(custom_project, "c", "cc") == 0.5
+    # A resumed run with another value says so.
+    resumed = ok(run_cmd([*torchrun_cmd(2), "train.py", *small, "--epochs", "2", "--dropout",
+                          "0.2", "--output-dir", "a", "--checkpoint-dir", "ca"], custom_project,
+                         **run))
+    assert "dropout: 0.3 -> 0.2" in resumed.stdout
+    # Wrong types get the same one-line errors as the project's flags.
+    bad = run_cmd([sys.executable, "train.py", "--dropout", "lots"], custom_project, **run)
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "error: argument --dropout: must be a finite number at least 0, got lots (python "
+        "train.py --help lists the flags)")
+    (custom_project / "bad.toml").write_text('dropout = "high"\n')
+    bad = run_cmd([sys.executable, "train.py", "--config", "bad.toml"], custom_project, **run)
+    assert bad.returncode == 2 and "key 'dropout' must be a number" in bad.stderr

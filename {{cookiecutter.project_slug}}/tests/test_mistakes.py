@@ -34,6 +34,8 @@ from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_me
 from {{ cookiecutter.package_name }}.resume import unreadable
 from {{ cookiecutter.package_name }}.train import main
 
+pytestmark = pytest.mark.full  # the slow tier: pytest --full
+
 BASE = ["--no-progress", "--epochs", "1", "--dataset-size", "128", "--batch-size", "16",
         "--hidden-size", "8", "--timeout-s", "20"]
 
@@ -224,6 +226,16 @@ def test_mistake(name, finished_run, tmp_path, monkeypatch, capsys):
 
 def test_the_table_is_long_enough():
     assert len(CASES) >= 40
+
+
+def test_a_refused_flag_is_seen_under_torchrun_every_time(workdir):
+    """Every rank refuses a bad flag; only local rank 0 prints. The others wait a moment before
+    they exit, or torchrun could stop rank 0 before its line is out."""
+    for attempt in range(20):
+        result = subprocess.run([*torchrun_cmd(2), TRAIN, "--epochs", "0"], cwd=workdir,
+                                env=child_env(), capture_output=True, text=True, timeout=60)
+        assert "error: argument --epochs: must be at least 1, got 0" in result.stderr, (
+            f"attempt {attempt}: {result.stderr[-2000:]}")
 
 
 # The worst reports, each its own test: these used to hang, loop or delete checkpoints.

@@ -1,9 +1,12 @@
 """Command-line flags, config files, and the run configuration.
 
-The template answers this project was generated with are the constants just below: edit them to
-change a default, or pass the matching flag to override it for one run. `--config run.toml` sets
-any flag from a file (keys spelled like the flags without `--`); flags on the command line win.
-Every value is checked here, before any work starts: a bad one is one `error:` line and exit 2.
+`Config` holds what every task shares (launch, data loading, optimizer, precision, checkpoints,
+logging). A task's own settings live in task.py, in its `Settings` dataclass: each field becomes a
+--flag too, and the task reads it as `cfg.task.<name>`. The template answers this project was
+generated with are the constants just below: edit them to change a default, or pass the matching
+flag to override it for one run. `--config run.toml` sets any flag from a file (keys spelled like
+the flags without `--`); flags on the command line win. Every value is checked here, before any
+work starts: a bad one is one `error:` line and exit 2.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ import argparse
 import dataclasses
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .failures import local_rank_from_env
+from .failures import QUIET_EXIT_DELAY_S, local_rank_from_env
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,6 +35,25 @@ DEFAULT_TRACKER = "{{ cookiecutter.tracker }}"
 
 LAYOUTS = ["data_parallel", "model_parallel_2", "fsdp"]
 TRACKERS = ["none", "tensorboard", "wandb", "mlflow"]
+
+
+def setting(default: Any, help: str, low: float | None = None) -> Any:
+    """One field of task.py's `Settings`: its default, the one-line help of its --flag and, for
+    numbers, the lowest value it accepts."""
+    return field(default=default, metadata={"help": help, "low": low})
+
+
+def task_settings() -> type | None:
+    """task.py's `Settings` class, if it declares one. (Imported here, not at the top of this
+    module: task.py imports this module.)"""
+    from . import task
+
+    return getattr(task, "Settings", None)
+
+
+@dataclass
+class NoSettings:
+    """The settings of a task.py that declares none."""
 
 
 @dataclass
@@ -52,13 +75,9 @@ class Config:
     deterministic: bool = False
     compile: bool = False
     find_unused_parameters: bool = False
-    dataset_size: int = 2048
     data: str | None = None
     val_fraction: float = 0.1
     num_workers: int = 0
-    hidden_size: int = 64
-    num_layers: int = 2
-    batch_norm: bool = False
     sync_bn: bool = False
     model_layout: str = DEFAULT_MODEL_LAYOUT
     stage_devices: list[str] = field(default_factory=list)
@@ -80,6 +99,7 @@ class Config:
     tracker: str = DEFAULT_TRACKER
     progress: bool = True
     config: str | None = None
+    task: Any = field(default_factory=NoSettings)  # task.py's Settings
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only, so a checkpoint loads with `weights_only=True`."""
@@ -143,22 +163,28 @@ def _step_range(text: str) -> str:
 class Parser(argparse.ArgumentParser):
     """argparse, with bad flags as one `error:` line, printed once per node, exit code 2."""
 
+    task_types: dict[str, str]  # dest of each task setting -> its declared type
+
     def error(self, message: str) -> NoReturn:
         self.fail(f"{message} (python train.py --help lists the flags)")
 
     def fail(self, message: str) -> NoReturn:
         if local_rank_from_env() == 0:
             sys.stderr.write(f"error: {message}\n")
+        else:  # the rank that prints may be a moment behind: a launcher stops it when we exit
+            time.sleep(QUIET_EXIT_DELAY_S)
         sys.exit(2)
 
 
 SEED_MAX = 2**31 - 1  # the seed is offset per rank and per worker; keep it a plain 32-bit value
 
 
-def build_parser() -> Parser:
+def build_parser(settings: type | None = None) -> Parser:
+    """Every flag: the project's, and those of task.py's `Settings` class (if it has one)."""
     d = Config()
     p = Parser(description="Train a model with PyTorch DistributedDataParallel.",
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.task_types = {}
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=_int(1), default=d.epochs, help="passes over the data")
     g.add_argument("--batch-size", type=_int(1), default=d.batch_size,
@@ -189,20 +215,12 @@ def build_parser() -> Parser:
                    help="DDP find_unused_parameters (only for models with unused branches)")
 
     g = p.add_argument_group("data and model (task.py reads these)")
-    g.add_argument("--dataset-size", type=_int(1), default=d.dataset_size,
-                   help="samples in the synthetic data set")
     g.add_argument("--data", default=d.data, metavar="PATH",
                    help="your data on disk instead of the synthetic set (task.py reads it)")
     g.add_argument("--val-fraction", type=_fraction, default=d.val_fraction,
                    help="share of the data held out and evaluated after every epoch, 0 = none")
     g.add_argument("--num-workers", type=_int(0, 64), default=d.num_workers,
                    help="DataLoader worker processes per rank (0: batches are made in-process)")
-    g.add_argument("--hidden-size", type=_int(1), default=d.hidden_size,
-                   help="width of the example model")
-    g.add_argument("--num-layers", type=_int(1), default=d.num_layers,
-                   help="depth of the example model")
-    g.add_argument("--batch-norm", action="store_true",
-                   help="BatchNorm in the example model, where it has a place for it")
     g.add_argument("--sync-bn", action="store_true",
                    help="convert BatchNorm to SyncBatchNorm (CUDA only; a warning on CPU)")
     g.add_argument("--model-layout", choices=LAYOUTS, default=d.model_layout,
@@ -256,7 +274,47 @@ def build_parser() -> Parser:
     g.add_argument("--config", default=None, metavar="PATH",
                    help="a TOML file of flag values (keys like the flags without --); flags given "
                         "on the command line win")
+    if settings is not None:
+        g = p.add_argument_group("task.py's settings (the task reads cfg.task.<name>)")
+        for f in dataclasses.fields(settings):
+            _add_setting(p, g, f)
     return p
+
+
+SETTING_TYPES = ("int", "float", "bool", "str", "str | None")
+
+
+def _any_int(text: str) -> int:
+    return int(text)
+
+
+_any_int.__name__ = "integer"
+
+
+def _add_setting(parser: Parser, group: Any, f: dataclasses.Field) -> None:
+    """One field of task.py's Settings as a --flag, checked like the project's own flags."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    flag = "--" + f.name.replace("_", "-")
+    if f.name in {field.name for field in dataclasses.fields(Config)}:
+        parser.fail(f"task.py: setting '{f.name}' has the name of a project flag ({flag}); "
+                    "rename it in Settings")
+    if kind not in SETTING_TYPES:
+        parser.fail(f"task.py: setting '{f.name}' is declared as {kind}; task settings are int, "
+                    "float, bool, str or str | None")
+    if f.default is dataclasses.MISSING:
+        parser.fail(f"task.py: setting '{f.name}' has no default; give it one")
+    help_text = f.metadata.get("help", "")
+    dest = f"task.{f.name}"
+    parser.task_types[dest] = kind
+    if kind == "bool":
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                           dest=dest, help=help_text)
+    else:
+        low = f.metadata.get("low")
+        numbers = {"int": _any_int if low is None else _int(int(low)),
+                   "float": _float(-math.inf if low is None else low, True)}
+        group.add_argument(flag, type=numbers.get(kind, str), default=f.default, dest=dest,
+                           metavar=kind.split()[0].upper(), help=help_text)
 
 
 # ---------------------------------------------------------------------- config files
@@ -282,7 +340,7 @@ def config_file_values(path: str, parser: Parser) -> dict[str, Any]:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         parser.fail(f"--config {path}: not a readable TOML file ({exc})")
     actions = _flag_actions(parser)
-    types = {f.name: f.type for f in dataclasses.fields(Config)}
+    types = {f.name: f.type for f in dataclasses.fields(Config)} | parser.task_types
     values: dict[str, Any] = {}
     for key, value in table.items():
         action = actions.get(key)
@@ -297,7 +355,8 @@ def config_file_values(path: str, parser: Parser) -> dict[str, Any]:
             parser.fail(f"--config {path}: key '{key}' must be {kind[expected[-1]]}, got "
                          f"{value!r}")
         if isinstance(value, bool):
-            values[dest] = value if action.const is True else not value  # --no-progress
+            flipped = action.const is False  # --no-progress
+            values[dest] = not value if flipped else value
             continue
         text = ",".join(value) if isinstance(value, list) else str(value)
         try:
@@ -311,13 +370,16 @@ def config_file_values(path: str, parser: Parser) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
-    """Flags (and --config) into a Config. Bad values exit with code 2 and one `error:` line."""
-    parser = build_parser()
+    """Flags (and --config) into a Config, with task.py's settings in `cfg.task`. Bad values exit
+    with code 2 and one `error:` line."""
+    settings = task_settings()
+    parser = build_parser(settings)
     config_path = _config_path(argv)
     if config_path:
         parser.set_defaults(**config_file_values(config_path, parser))
-    args = parser.parse_args(argv)
-    cfg = Config(**vars(args))
+    args = vars(parser.parse_args(argv))
+    task_values = {key[5:]: args.pop(key) for key in list(args) if key.startswith("task.")}
+    cfg = Config(**args, task=(settings or NoSettings)(**task_values))
     for problem in problems(cfg):
         parser.fail(problem)
     return cfg

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .config import build_parser
+from .config import build_parser, task_settings
 from .distributed import (
     assign_devices,
     cleanup,
@@ -122,7 +122,7 @@ def bandwidth_gb_s(device: torch.device, megabytes: int) -> float:
 
 
 def check(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(task_settings())  # the same flags as train.py
     parser.set_defaults(timeout_s=30.0)  # a preflight should fail fast
     cfg = parser.parse_args(argv)
     seen = resolve_world(local_rank_flag=cfg.local_rank, check=False)

@@ -51,7 +51,7 @@ def local_rank_from_env() -> int:
     return 0
 
 
-_QUIET_EXIT_DELAY_S = 1.0
+QUIET_EXIT_DELAY_S = 1.0
 
 
 def report_error(exc: SetupError, local_rank: int | None = None) -> None:
@@ -59,7 +59,7 @@ def report_error(exc: SetupError, local_rank: int | None = None) -> None:
     if exc.quiet or (exc.everywhere and local_rank != 0):
         # The rank that prints may be a moment behind: if this one exited first, torchrun would
         # stop that rank before its line is out (a failed job that says nothing).
-        time.sleep(_QUIET_EXIT_DELAY_S)
+        time.sleep(QUIET_EXIT_DELAY_S)
         return
     sys.stderr.write(f"error: {exc}\n")  # one write: lines of several ranks do not interleave
     sys.stderr.flush()

@@ -199,3 +199,32 @@ def peak_memory_mb(device: torch.device) -> tuple[float, float]:
         return 0.0, 0.0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return (rss / 2**20 if sys.platform == "darwin" else rss / 2**10), 0.0  # bytes vs KiB
+
+
+class Bookkeeping:
+    """The chores around every step, behind one object: the progress bar, the step clock, the
+    profiler, and when to log and when to save."""
+
+    def __init__(self, progress: Progress, clock: StepClock, profiler: StepProfiler,
+                 log_every: int, save_every_steps: int) -> None:
+        self.progress, self.clock, self.profiler = progress, clock, profiler
+        self.log_every, self.save_every_steps = log_every, save_every_steps
+
+    def start_epoch(self, epoch: int, total: int, done: int) -> None:
+        self.progress.start(epoch, total, done)
+
+    def batch_done(self) -> None:
+        self.progress.update()
+
+    def step_done(self, step: int, last_of_epoch: bool, finished: bool) -> tuple[bool, bool]:
+        """After optimizer step `step`: (log now, save now). The last step of an epoch and of
+        the run is always logged; a step save is skipped where the epoch's own save follows."""
+        self.clock.tick()
+        self.profiler.step_done(step)
+        log = step % self.log_every == 0 or last_of_epoch or finished
+        save = (self.save_every_steps > 0 and step % self.save_every_steps == 0
+                and not last_of_epoch)
+        return log, save
+
+    def end_epoch(self) -> None:
+        self.progress.close()

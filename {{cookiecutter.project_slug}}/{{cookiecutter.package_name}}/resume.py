@@ -116,8 +116,10 @@ def restore_position(meta: dict[str, Any], cfg: Config, world_size: int, batches
 
 
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """Settings that differ between a checkpoint's run and this one, as 'key: old -> new'."""
-    launch_only = {"resume", "config", "nprocs", "local_rank"}
+    """Settings that differ between a checkpoint's run and this one, as 'key: old -> new'; the
+    task's own settings (under "task") count like the others."""
+    launch_only = {"resume", "config", "nprocs", "local_rank", "task"}
+    saved, now = {**saved, **saved.get("task", {})}, {**now, **now.get("task", {})}
     return [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in now
             if key in saved and key not in launch_only and saved[key] != now[key]]
 

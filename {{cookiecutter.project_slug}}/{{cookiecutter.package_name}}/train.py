@@ -45,7 +45,7 @@ from .nccl import flight_recorder_hint, nccl_env, startup_timeout_s
 from .network import route_to, socket_interface_env
 from .optim import Optimization
 from .parallel import parallelize
-from .trainer import Trainer
+from .trainer import Data, Runtime, Trainer
 from .workarounds import exit_process, stop_stuck_agent
 
 STARTED_AT = time.time()  # when this process imported the code: the start of "time to first step"
@@ -63,7 +63,7 @@ def rendezvous_dir(cfg: Config) -> Path:
 
 
 def build_data(cfg: Config, world: World, device: torch.device,
-               comm_device: torch.device) -> tuple[ShardedBatchSampler, Any, Evaluator | None]:
+               comm_device: torch.device) -> Data:
     """task.build_datasets, sharded: this rank's batches, their loader, and the evaluator of the
     validation set (None without one)."""
     pin_memory = device.type == "cuda"
@@ -80,7 +80,7 @@ def build_data(cfg: Config, world: World, device: torch.device,
                                          cfg.batch_size, cfg.seed)
         val_loader = build_loader(val_set, val_batches, collate, cfg.num_workers, pin_memory)
         evaluator = Evaluator(task, val_loader, val_batches, device, comm_device)
-    return batches, loader, evaluator
+    return Data(batches, loader, evaluator)
 
 
 def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device],
@@ -91,16 +91,15 @@ def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     seed_everything(cfg.seed)  # the same data and the same initial model on every rank
-    batches, loader, evaluator = build_data(cfg, world, devices[0],
-                                            collective_device(backend, devices[0]))
+    data = build_data(cfg, world, devices[0], collective_device(backend, devices[0]))
     model = parallelize(task.build_model(cfg), cfg, devices, task, world.is_main)
-    steps_per_epoch = math.ceil(batches.batches_per_epoch() / cfg.grad_accum)
+    steps_per_epoch = math.ceil(data.batches.batches_per_epoch() / cfg.grad_accum)
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     # fsdp on a GPU casts through its mixed-precision policy instead of autocast.
     autocast = not (cfg.model_layout == "fsdp" and devices[0].type == "cuda")
     optim = Optimization(model, cfg, devices[0], total_steps, autocast=autocast)
-    trainer = Trainer(cfg, world, task, model, optim, batches, loader, evaluator, devices[0],
-                      backend, lifeline, STARTED_AT)
+    trainer = Trainer(cfg, world, task, model, optim, data,
+                      Runtime(devices[0], backend, lifeline, STARTED_AT))
     seed_everything(cfg.seed + world.rank)  # different random streams per rank from here on
     trainer.resume()
     return trainer.train()

@@ -13,6 +13,7 @@ import math
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,14 @@ from .environments import World
 from .evaluation import Evaluator
 from .failures import SetupError, agree
 from .lifeline import Lifeline
-from .metrics import MetricsWriter, Progress, StepClock, StepProfiler, log_step_stats
+from .metrics import (
+    Bookkeeping,
+    MetricsWriter,
+    Progress,
+    StepClock,
+    StepProfiler,
+    log_step_stats,
+)
 from .optim import Optimization
 from .parallel import set_gradient_sync, unwrap
 from .resume import (
@@ -43,15 +51,34 @@ from .resume import (
 from .workarounds import set_group_timeout
 
 
+@dataclass
+class Data:
+    """This rank's training batches (which ones, and the loader that makes them) and the
+    evaluator of the validation set (None without one)."""
+
+    batches: ShardedBatchSampler
+    loader: Any
+    evaluator: Evaluator | None
+
+
+@dataclass
+class Runtime:
+    """Where and how this process runs."""
+
+    device: torch.device  # the first (or only) device of the model
+    backend: str
+    lifeline: Lifeline
+    started_at: float  # process start: for "time to first step"
+
+
 class Trainer:
     def __init__(self, cfg: Config, world: World, task: Any, model: nn.Module,
-                 optim: Optimization, batches: ShardedBatchSampler, loader: Any,
-                 evaluator: Evaluator | None, device: torch.device, backend: str,
-                 lifeline: Lifeline, started_at: float) -> None:
+                 optim: Optimization, data: Data, runtime: Runtime) -> None:
         self.cfg, self.world, self.task, self.model, self.optim = cfg, world, task, model, optim
-        self.batches, self.loader, self.evaluator = batches, loader, evaluator
-        self.device, self.backend, self.lifeline = device, backend, lifeline
-        self.started_at = started_at  # process start: for "time to first step"
+        self.batches, self.loader, self.evaluator = data.batches, data.loader, data.evaluator
+        self.device, self.backend = runtime.device, runtime.backend
+        self.lifeline, self.started_at = runtime.lifeline, runtime.started_at
+        device, backend = runtime.device, runtime.backend
         self.raw = unwrap(model)  # the user's module: state_dicts without prefixes
         self.comm_device = collective_device(backend, device)  # for our own collectives
         self.ckpt_dir = CheckpointDir(cfg.checkpoint_dir, cfg.keep_last) if world.is_main else None
@@ -62,6 +89,8 @@ class Trainer:
         self.progress = Progress(cfg.progress and world.is_main)
         self.clock = StepClock(device, cuda_events=bool(cfg.step_times))
         self.profiler = StepProfiler(cfg.profile_range(), cfg.output_dir, world.is_main, device)
+        self.book = Bookkeeping(self.progress, self.clock, self.profiler, cfg.log_every,
+                                cfg.save_every_steps)
         self.metrics = MetricsWriter(cfg.output_dir, False)  # rank 0's real one opens in train()
 
         # Position: the epoch being trained, the batches of it already done, optimizer steps.
@@ -177,10 +206,14 @@ class Trainer:
             agree(lambda: self.ckpt_dir.wait(), self.comm_device)
 
     # ---------------------------------------------------------------- training
-    def _run_batch(self, batch: Any, weight: float) -> torch.Tensor:
+    def _run_batch(self, batch: Any, weight: float, sync: bool = True) -> torch.Tensor:
         """Forward and backward of one micro-batch. `weight` is its share of the samples of its
         accumulation group, so K accumulated micro-batches give the gradient of one K-times
-        larger batch (a short last group included)."""
+        larger batch (a short last group included). Gradients are exchanged (`sync`) only at
+        the group's last micro-batch."""
+        if not sync:
+            with set_gradient_sync(self.model, False):
+                return self._run_batch(batch, weight)
         with self.optim.autocast():
             loss = self.task.loss_fn(self.model, batch)
         if not self._checked_loss:
@@ -203,47 +236,41 @@ class Trainer:
         dist.all_reduce(count, op=dist.ReduceOp.MIN)  # once per epoch
         return int(count.item())
 
+    def _accumulation(self, i: int, total: int) -> tuple[bool, float]:
+        """Whether batch `i` ends its accumulation group, and its weight in the group."""
+        accum = self.cfg.grad_accum
+        if accum == 1:
+            return True, 1.0
+        start = i - i % accum
+        end = min(start + accum, total)  # the last group of an epoch may be short
+        group = sum(self.batches.batch_len(j) for j in range(start, end))
+        return i == end - 1, self.batches.batch_len(i) / group
+
     def _run_epoch(self, epoch: int) -> None:
         total = self._agreed_batch_count()
         self.batches.set_epoch(epoch, self.batch_in_epoch)  # a new shuffle each epoch, every rank
-        accum = self.cfg.grad_accum
-        self.progress.start(epoch, total, self.batch_in_epoch)
+        self.book.start_epoch(epoch, total, self.batch_in_epoch)
         for i, batch in zip(range(self.batch_in_epoch, total), self.loader, strict=False):
-            batch = move_to(batch, self.device)
-            group_start = i - i % accum
-            group_end = min(group_start + accum, total)  # the last group of an epoch may be short
-            last_in_group = i == group_end - 1
-            weight = 1.0
-            if accum > 1:
-                group = sum(self.batches.batch_len(j) for j in range(group_start, group_end))
-                weight = self.batches.batch_len(i) / group
-            if last_in_group:
-                loss = self._run_batch(batch, weight)
-            else:  # no exchange of gradients until the group's last micro-batch
-                with set_gradient_sync(self.model, False):
-                    loss = self._run_batch(batch, weight)
-            self._loss_sum += loss
+            last_in_group, weight = self._accumulation(i, total)
+            loss = self._run_batch(move_to(batch, self.device), weight, sync=last_in_group)
+            self._loss_sum += loss  # stays on the device: no host sync until the log step
             self._loss_count += 1
             self._samples += self.batches.batch_len(i)
-            self.progress.update()
+            self.book.batch_done()
             if not last_in_group:
                 continue
             self.optim.step()
-            self.step += 1
-            self.batch_in_epoch = i + 1
-            self.clock.tick()
-            self.profiler.step_done(self.step)
+            self.step, self.batch_in_epoch = self.step + 1, i + 1
+            log, save = self.book.step_done(self.step, i + 1 == total, self._done())
             if self._first_step_s is None:
                 self._after_first_step()
-            # _done() here means --max-steps was reached: the last step is always logged.
-            if self.step % self.cfg.log_every == 0 or i + 1 == total or self._done():
+            if log:
                 self._log(epoch)
-            if self._done():
+            if self._done():  # --max-steps, or a stop agreed at the log step
                 break
-            if (self.cfg.save_every_steps and self.step % self.cfg.save_every_steps == 0
-                    and i + 1 < total):
+            if save:
                 self._save_snapshot()
-        self.progress.close()
+        self.book.end_epoch()
         if self.batch_in_epoch == total:
             self.epoch, self.batch_in_epoch = epoch + 1, 0
             self._evaluate(epoch)

@@ -19,6 +19,7 @@ Optional: collate(samples) -> batch, blocks(model) -> the model's repeated block
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-from .config import Config
+from .config import Config, setting
 from .data import InMemoryDataset, split_for_validation
 from .failures import SetupError
 
@@ -34,6 +35,18 @@ IMAGE_SIZE = 16
 CHANNELS = 3
 SYNTHETIC_CLASSES = 10
 IMAGE_SUFFIXES = (".ppm", ".pgm")
+
+
+@dataclass
+class Settings:
+    """This task's own settings. Each field is a --flag (hidden_size: --hidden-size) and a key of
+    --config files, is saved with the run and its checkpoints, and is read below as
+    cfg.task.<name>. Add your own here: nothing else needs to change."""
+
+    dataset_size: int = setting(2048, "images in the synthetic data set (without --data)", low=1)
+    hidden_size: int = setting(64, "channels of the CNN's convolutions", low=1)
+    num_layers: int = setting(2, "convolution blocks of the CNN", low=1)
+    batch_norm: bool = setting(False, "BatchNorm after every convolution")
 
 
 # ---------------------------------------------------------------------- data
@@ -119,8 +132,8 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
         train, val = split_for_validation(len(train_files), n_val, cfg.seed)
         return Subset(train_files, train.tolist()), Subset(val_files, val.tolist()) if n_val \
             else None
-    n_val = int(cfg.dataset_size * cfg.val_fraction)
-    data = synthetic_images(cfg.dataset_size + n_val, cfg.seed)
+    n_val = int(cfg.task.dataset_size * cfg.val_fraction)
+    data = synthetic_images(cfg.task.dataset_size + n_val, cfg.seed)
     train, val = split_for_validation(len(data), n_val, cfg.seed)
     return data.subset(train), data.subset(val) if n_val else None
 
@@ -155,7 +168,7 @@ class SmallCNN(nn.Module):
 
 def build_model(cfg: Config) -> nn.Module:
     num_classes = len(class_names(cfg.data)) if cfg.data else SYNTHETIC_CLASSES
-    return SmallCNN(num_classes, cfg.hidden_size, cfg.num_layers, cfg.batch_norm)
+    return SmallCNN(num_classes, cfg.task.hidden_size, cfg.task.num_layers, cfg.task.batch_norm)
 
 
 def blocks(model: SmallCNN) -> list[nn.Module]:

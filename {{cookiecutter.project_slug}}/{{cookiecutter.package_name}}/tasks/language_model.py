@@ -18,6 +18,7 @@ Optional: collate(samples) -> batch, blocks(model) -> the model's repeated block
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,13 +26,25 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from .config import Config
+from .config import Config, setting
 from .data import InMemoryDataset, split_for_validation
 from .failures import SetupError
 
 SEQ_LEN = 64  # bytes of context
 VOCAB = 256  # one token per byte value
 HEADS = 4
+
+
+@dataclass
+class Settings:
+    """This task's own settings. Each field is a --flag (hidden_size: --hidden-size) and a key of
+    --config files, is saved with the run and its checkpoints, and is read below as
+    cfg.task.<name>. Add your own here: nothing else needs to change."""
+
+    dataset_size: int = setting(2048, "text windows in the synthetic data set (without --data)",
+                                low=1)
+    hidden_size: int = setting(64, "width of the transformer", low=1)
+    num_layers: int = setting(2, "transformer blocks", low=1)
 
 
 # ---------------------------------------------------------------------- data
@@ -81,8 +94,8 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
         train, val = split_for_validation(len(text), int(len(text) * cfg.val_fraction), cfg.seed)
         return (torch.utils.data.Subset(text, train.tolist()),
                 torch.utils.data.Subset(text, val.tolist()) if len(val) else None)
-    n_val = int(cfg.dataset_size * cfg.val_fraction)
-    data = synthetic_text(cfg.dataset_size + n_val, cfg.seed)
+    n_val = int(cfg.task.dataset_size * cfg.val_fraction)
+    data = synthetic_text(cfg.task.dataset_size + n_val, cfg.seed)
     train, val = split_for_validation(len(data), n_val, cfg.seed)
     return data.subset(train), data.subset(val) if n_val else None
 
@@ -127,7 +140,7 @@ class TinyGPT(nn.Module):
 
 
 def build_model(cfg: Config) -> nn.Module:
-    return TinyGPT(cfg.hidden_size, cfg.num_layers)
+    return TinyGPT(cfg.task.hidden_size, cfg.task.num_layers)
 
 
 def blocks(model: TinyGPT) -> list[nn.Module]:

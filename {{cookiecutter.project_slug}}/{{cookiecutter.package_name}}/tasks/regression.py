@@ -17,6 +17,7 @@ Optional: collate(samples) -> batch, blocks(model) -> the model's repeated block
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,11 +25,23 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from .config import Config
+from .config import Config, setting
 from .data import InMemoryDataset, split_for_validation
 from .failures import SetupError
 
 IN_FEATURES = 20
+
+
+@dataclass
+class Settings:
+    """This task's own settings. Each field is a --flag (hidden_size: --hidden-size) and a key of
+    --config files, is saved with the run and its checkpoints, and is read below as
+    cfg.task.<name>. Add your own here: nothing else needs to change."""
+
+    dataset_size: int = setting(2048, "samples in the synthetic data set (without --data)", low=1)
+    hidden_size: int = setting(64, "width of the MLP", low=1)
+    num_layers: int = setting(2, "hidden blocks of the MLP", low=1)
+    batch_norm: bool = setting(False, "BatchNorm in every block")
 
 
 # ---------------------------------------------------------------------- data
@@ -82,8 +95,8 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
         train, val = split_for_validation(len(rows), int(len(rows) * cfg.val_fraction), cfg.seed)
         return (torch.utils.data.Subset(rows, train.tolist()),
                 torch.utils.data.Subset(rows, val.tolist()) if len(val) else None)
-    n_val = int(cfg.dataset_size * cfg.val_fraction)
-    data = synthetic_regression(cfg.dataset_size + n_val, cfg.seed)
+    n_val = int(cfg.task.dataset_size * cfg.val_fraction)
+    data = synthetic_regression(cfg.task.dataset_size + n_val, cfg.seed)
     train, val = split_for_validation(len(data), n_val, cfg.seed)
     return data.subset(train), data.subset(val) if n_val else None
 
@@ -110,7 +123,7 @@ class MLP(nn.Module):
 
 
 def build_model(cfg: Config) -> nn.Module:
-    return MLP(cfg.hidden_size, cfg.num_layers, cfg.batch_norm)
+    return MLP(cfg.task.hidden_size, cfg.task.num_layers, cfg.task.batch_norm)
 
 
 def blocks(model: MLP) -> list[nn.Module]:
