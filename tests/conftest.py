@@ -65,7 +65,8 @@ def expected_files(package: str, answers: dict) -> set[str]:
     files = {
         ".gitignore", "README.md", "pyproject.toml", "requirements.txt", "train.py",
         "configs/example.toml", "scripts/train_local.sh", "scripts/train_multinode.sh",
-        "scripts/plot_metrics.py",
+        "scripts/plot_metrics.py", "docs/worked-example.md", "docs/launching.md",
+        "docs/recovery.md", "docs/performance.md", "docs/configuration.md",
     }
     files |= {f"tests/{name}.py" for name in (
         "conftest", "hosts", "test_backstop", "test_checkpoint", "test_config", "test_custom_task", "test_data",

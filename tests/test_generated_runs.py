@@ -154,10 +154,9 @@ for label, colour in enumerate([(210, 60, 40), (40, 80, 200), (60, 190, 60)]):
 
 
 def test_readme_worked_example_as_written(tmp_path, torch_venv, quickstart_done):
-    """The README's own classifier on an image folder: its task.py and its commands, verbatim."""
+    """The docs' own classifier on an image folder: its task.py and its commands, verbatim."""
     project = bake_to(tmp_path)
-    readme = (project / "README.md").read_text()
-    section = readme.split("### Worked example", 1)[1].split("\n## ", 1)[0]
+    section = (project / "docs/worked-example.md").read_text()
     code = section.split("```python", 1)[1].split("```", 1)[0]
     commands = section.split("```bash", 1)[1].split("```", 1)[0].strip().splitlines()
     (project / "ddp_project/task.py").write_text(code)
