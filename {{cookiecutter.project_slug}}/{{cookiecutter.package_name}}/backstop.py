@@ -7,9 +7,11 @@ training process starts this file as a plain Python process (no torch, a few MB)
 
 - receives every stop signal first: the training process's C-level signal handler writes the
   signal number to a socket (`signal.set_wakeup_fd`), which needs no interpreter lock. The
-  watchdog passes it back to the lifeline thread and, for SIGTERM and SIGINT, starts a clock: if
-  the process has not ended STOP_GRACE_S later, it ends it, and half a second after a second such
-  signal. (SLURM's SIGUSR1 is an early warning: the loop stops at its next log step.)
+  watchdog passes it back to the lifeline thread and, for SIGTERM and SIGINT, starts a clock: a
+  process that is starting is ended STOP_GRACE_S later; one that is training gets up to
+  STOP_SAVE_S to reach its next log step, where the ranks agree to stop, save and leave. Half a
+  second after a second such signal it is ended in any case. (SLURM's SIGUSR1 is an early
+  warning: the loop stops at its next log step, and no clock starts.)
 - keeps a copy of the lifeline's deadline, a few seconds later than the lifeline's own. If it
   passes, it prints one `error:` line naming the phase, has the process write its threads' stacks
   (faulthandler, which needs no interpreter lock either) into the run's output folder, and
@@ -36,7 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-STOP_GRACE_S = 4.5  # a stop signal ends the process within 5 s, saved or not
+STOP_GRACE_S = 4.5  # a stop signal ends a starting or waiting process within 5 s
+STOP_SAVE_S = 25.0  # a training one may reach its log step and save (launchers allow 30 s)
 MARGIN_S = 3.0  # after the lifeline's deadline: the lifeline, when it can run, speaks first
 SAME_EVENT_S = 1.0  # signals this close together are one event (the terminal's and torchrun's)
 POLL_S = 0.5
@@ -197,22 +200,23 @@ class Watchdog:
             return
         now, name = time.monotonic(), signal.Signals(signum).name
         if self.stop is None:
-            self.stop, self.kill_at = (now, name), now + STOP_GRACE_S
+            self.stop, self.kill_at = (now, name), now + STOP_SAVE_S
         elif now - self.stop[0] > SAME_EVENT_S and self.second is None:
             # The lifeline ends the process at once, with its own line, when it can run.
             self.second, self.kill_at = name, min(self.kill_at, now + 0.5)
 
     def _check_clocks(self) -> None:
         now = time.monotonic()
-        if now > self.kill_at:
+        grace = STOP_SAVE_S if self.phase in ("training", "finishing") else STOP_GRACE_S
+        if self.stop is not None and (now > self.kill_at or now > self.stop[0] + grace):
             where = (f"waiting for {self.deadline[2]}" if self.deadline
                      else f"in its {self.phase} phase")
             if self.second:
                 self._end(f"error: rank {self.rank}: a second {self.second}: stopped at once "
                           f"({where}), without saving; {self.hint}")
             self._end(f"error: rank {self.rank}: stopped by {self.stop[1]}, but the process did "
-                      f"not end within {STOP_GRACE_S + 0.5:g} s ({where}); ended without "
-                      f"saving; {self.hint}")
+                      f"not end within {grace + 0.5:g} s ({where}); ended without saving; "
+                      f"{self.hint}")
         if self.deadline is not None and now > self.deadline[0]:
             _, phase, what = self.deadline
             self._end(f"error: rank {self.rank}: stuck in {phase} past its deadline (--timeout-s "

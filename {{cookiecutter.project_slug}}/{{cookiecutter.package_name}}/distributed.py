@@ -26,7 +26,7 @@ except ImportError:  # Windows
 from .environments import World
 from .failures import SetupError
 from .lifeline import Lifeline
-from .network import VARIABLES, advertised_address
+from .network import VARIABLES, advertised_address, route_to
 from .workarounds import agent_store, remove_file_store, use_libuv, windows_env
 
 
@@ -283,7 +283,9 @@ def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
             raise
         except Exception as exc:  # a timeout, a refused or reset connection, a foreign server
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            if "connectFullMesh" in first:  # the store worked: the address peers were told did not
+            route = route_to(rdzv.host or world.master_addr)
+            if "connectFullMesh" in first and route is not None and not route.loopback:
+                # Several machines, and the store worked: the address peers were told did not.
                 raise SetupError(
                     f"rank {world.rank}: met the other ranks at {rdzv} but could not connect to "
                     f"them ({first}); this rank told them to reach it at "
