@@ -168,8 +168,11 @@ def test_a_setting_declared_in_task_py_alone_is_a_flag_everywhere(custom_project
     # Wrong types get the same one-line errors as the project's flags.
     bad = run_cmd([sys.executable, "train.py", "--dropout", "lots"], custom_project, **run)
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        "error: argument --dropout: must be a finite number at least 0, got lots (python "
-        "train.py --help lists the flags)")
+        "error: argument --dropout: invalid number value: 'lots' (python train.py --help lists "
+        "the flags)")
+    bad = run_cmd([sys.executable, "train.py", "--dropout", "-1"], custom_project, **run)
+    assert bad.returncode == 2 and "--dropout: must be a finite number at least 0, got -1" in \
+        bad.stderr
     (custom_project / "bad.toml").write_text('dropout = "high"\n')
     bad = run_cmd([sys.executable, "train.py", "--config", "bad.toml"], custom_project, **run)
     assert bad.returncode == 2 and "key 'dropout' must be a number" in bad.stderr

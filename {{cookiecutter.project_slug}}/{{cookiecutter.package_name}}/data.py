@@ -238,9 +238,13 @@ def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_w
     fetcher = BatchFetcher(dataset, collate)
     if num_workers == 0:
         return InProcessLoader(fetcher, batches)
+    # A generator of its own: DataLoader draws its workers' base seed from it whenever an iterator
+    # starts, and from the global one without it. A resumed run starts its iterator at another
+    # step than the run it continues, so dropout (global RNG) would then differ from there on.
+    # Workers are seeded per batch (_worker_init), so this seed changes nothing they draw.
     return DataLoader(fetcher, batch_sampler=batches, collate_fn=_as_is, num_workers=num_workers,
                       pin_memory=pin_memory, persistent_workers=True, worker_init_fn=_worker_init,
-                      multiprocessing_context=worker_context())
+                      multiprocessing_context=worker_context(), generator=torch.Generator())
 
 
 def _apply(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
