@@ -73,13 +73,33 @@ def test_no_launcher_is_a_world_of_one():
     assert world.master_port and world.master_port > 0
 
 
-SLURM_STEP = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-              "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]",
-              "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
+# Recorded from a real SLURM 22.05: rank 1 of `srun` in `sbatch -N1 --ntasks-per-node=2
+# --cpus-per-task=1`, less the variables that only name paths and ports. The template's tests check
+# on a real cluster that srun still sets every one of them.
+SLURM_STEP = {
+    "SLURMD_NODENAME": "vm", "SLURM_CPUS_ON_NODE": "2", "SLURM_CPUS_PER_TASK": "1",
+    "SLURM_DISTRIBUTION": "block", "SLURM_GTIDS": "0,1", "SLURM_JOBID": "5",
+    "SLURM_JOB_CPUS_PER_NODE": "2", "SLURM_JOB_ID": "5", "SLURM_JOB_NAME": "wrap",
+    "SLURM_JOB_NODELIST": "vm", "SLURM_JOB_NUM_NODES": "1", "SLURM_LOCALID": "1",
+    "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_NODELIST": "vm", "SLURM_NPROCS": "2",
+    "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "1", "SLURM_STEPID": "0",
+    "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "vm", "SLURM_STEP_NUM_NODES": "1",
+    "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_TASKS_PER_NODE": "2",
+}
+# The same step on two nodes of four tasks each (rank 5), in SLURM's compressed formats.
+TWO_NODES = {**SLURM_STEP, "SLURM_PROCID": "5", "SLURM_NODEID": "1", "SLURM_NTASKS": "8",
+             "SLURM_NPROCS": "8", "SLURM_STEP_NUM_TASKS": "8", "SLURM_NNODES": "2",
+             "SLURM_JOB_NUM_NODES": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4",
+             "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+             "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_STEP_NODELIST": "gpu[07-08]",
+             "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242", "SLURM_JOBID": "4242"}
 
 
 def test_slurm_environment():
     world = resolve_world(SLURM_STEP)
+    assert (world.rank, world.local_rank, world.world_size, world.local_world_size) == (1, 1, 2, 2)
+    assert (world.launcher, world.master_addr, world.master_port) == ("slurm", "vm", 15000 + 5)
+    world = resolve_world(TWO_NODES)
     assert (world.rank, world.local_rank, world.world_size, world.local_world_size) == (5, 1, 8, 4)
     assert (world.launcher, world.master_addr) == ("slurm", "gpu07")
     assert world.master_port == 15000 + 4242
@@ -87,7 +107,7 @@ def test_slurm_environment():
 
 def test_a_slurm_step_on_fewer_nodes_than_the_job_uses_the_steps_counts():
     # `srun -N1 -n2 ...` inside a 5-node job of 4 tasks per node.
-    env = {**SLURM_STEP, "SLURM_PROCID": "1", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "5",
+    env = {**TWO_NODES, "SLURM_PROCID": "1", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "5",
            "SLURM_NTASKS_PER_NODE": "4", "SLURM_NTASKS": "20", "SLURM_STEP_NUM_TASKS": "2",
            "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2",
            "SLURM_STEP_NODELIST": "gpu08"}
@@ -99,12 +119,12 @@ def test_slurm_mistakes_are_explained():
     with pytest.raises(SetupError, match="not started by srun"):
         resolve_world({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "1"})
     with pytest.raises(SetupError, match="add up to 5; use --ntasks-per-node"):
-        resolve_world({**SLURM_STEP, "SLURM_TASKS_PER_NODE": "4,1", "SLURM_NODEID": "0",
+        resolve_world({**TWO_NODES, "SLURM_STEP_TASKS_PER_NODE": "4,1", "SLURM_NODEID": "0",
                        "SLURM_LOCALID": "0", "SLURM_PROCID": "0"})
-    with pytest.raises(SetupError, match="SLURM_LOCALID=4"):
-        resolve_world({**SLURM_STEP, "SLURM_LOCALID": "4"})
+    with pytest.raises(SetupError, match="SLURM_LOCALID=2"):
+        resolve_world({**SLURM_STEP, "SLURM_LOCALID": "2"})
     # The doctor still sees what SLURM said.
-    assert resolve_world({**SLURM_STEP, "SLURM_LOCALID": "4"}, check=False).local_rank == 4
+    assert resolve_world({**SLURM_STEP, "SLURM_LOCALID": "2"}, check=False).local_rank == 2
 
 
 def test_torchrun_inside_slurm_uses_torchrun_variables():

@@ -160,8 +160,12 @@ class Lifeline:
         name = signal.Signals(signum).name
         now = time.monotonic()
         if self._phase == "starting":
-            self._end(f"stopped by {name} during start-up, before the first training step: "
-                      "nothing to save, nothing lost", 0)
+            line = (f"stopped by {name} during start-up, before the first training step: "
+                    "nothing to save, nothing lost")
+            if "SLURM_JOB_ID" in os.environ:  # a requeued job would start over, again and again
+                line += ("; if this was the time-limit signal, the job is requeued without "
+                         "progress: lengthen --time or shorten the lead of #SBATCH --signal")
+            self._end(line, 0)
         if self._phase != "training":
             return
         if self.stop_signal is None:

@@ -106,3 +106,30 @@ def set_group_timeout(timeout_s: float) -> None:
 def use_libuv() -> bool:
     return os.environ.get("USE_LIBUV", "1") == "1"
 
+
+def torchrun_quietly(argv: list[str]) -> int:
+    """torchrun, ending with one line and exit 128 + signal when it is stopped by a signal.
+
+    Without it: every preemption or `scancel` of a SLURM job prints about 30 lines of the agent's
+    traceback into slurm-N.out (SignalException: torchrun turns SIGTERM into an exception so that
+    it can stop its workers first, then lets it escape; https://github.com/pytorch/pytorch/pull/61602).
+    Its workers were stopped and have saved by then. Seen with torch 2.5 to 2.13.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main
+
+    try:
+        main(argv)
+    except SignalException as stop:
+        name = signal.Signals(stop.sigval).name
+        print(f"torchrun: stopped by {name}; its training processes were stopped too",
+              file=sys.stderr, flush=True)
+        return 128 + stop.sigval
+    return 0
+
+
+if __name__ == "__main__":  # python -m <package>.workarounds torchrun ARGS (scripts/slurm)
+    if sys.argv[1:2] != ["torchrun"]:
+        sys.exit("usage: python -m <package>.workarounds torchrun [torchrun arguments]")
+    sys.exit(torchrun_quietly(sys.argv[2:]))
+
