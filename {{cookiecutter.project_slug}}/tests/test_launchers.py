@@ -70,6 +70,24 @@ def test_a_killed_spawn_worker_ends_the_run_with_its_error(workdir):
         assert not Path(f"/proc/{pid}").exists() or "(Z)" in Path(f"/proc/{pid}/stat").read_text()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
+def test_ctrl_c_under_spawn_saves_and_exits_130(workdir):
+    """Ctrl-C reaches the whole process group: every worker saves, and the run ends with 130 so
+    that `python train.py --nprocs 2 ... && next-step` does not go on."""
+    run = subprocess.Popen([sys.executable, TRAIN, "--no-progress", "--nprocs", "2", "--epochs",
+                            "1000", "--log-every", "1"], cwd=workdir, env=child_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # a terminal's process group of its own
+    for line in run.stdout:
+        if " step " in line:
+            break
+    os.killpg(run.pid, signal.SIGINT)
+    out, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err
+    assert "stopped by SIGINT at step" in out and "error:" not in err, err
+    assert list((workdir / "checkpoints").glob("ckpt_step*"))
+
+
 @pytest.mark.parametrize("use_env", [False, True], ids=["local-rank-flag", "use-env"])
 def test_legacy_launch(workdir, use_env):
     cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node=2",

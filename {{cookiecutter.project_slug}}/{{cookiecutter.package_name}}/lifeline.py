@@ -165,7 +165,7 @@ class Lifeline:
             if "SLURM_JOB_ID" in os.environ:  # a requeued job would start over, again and again
                 line += ("; if this was the time-limit signal, the job is requeued without "
                          "progress: lengthen --time or shorten the lead of #SBATCH --signal")
-            self._end(line, 0)
+            self._end(line, 128 + signum)
         if self._phase != "training":
             return
         if self.stop_signal is None:

@@ -13,6 +13,7 @@ import signal
 import time
 import traceback
 import uuid
+from multiprocessing import connection as mp_connection
 from pathlib import Path
 from typing import Any
 
@@ -169,9 +170,10 @@ def run(cfg: Config, world: World) -> dict:
 
 def run_and_report(cfg: Config, world: World) -> int:
     """`run`, with every failure turned into an exit code (the process then ends through
-    `exit_process`)."""
+    `exit_process`). A run stopped by a signal saved a checkpoint and ends with 128 + the
+    signal's number (130 for Ctrl-C, 143 for SIGTERM), so `train && next` does not go on."""
     try:
-        run(cfg, world)
+        result = run(cfg, world)
     except SetupError as exc:
         agent = launcher_pid(world) if world.launcher == "torchrun" else 0
         if isinstance(exc, LostContact) and agent and world.world_size > world.local_world_size:
@@ -184,7 +186,7 @@ def run_and_report(cfg: Config, world: World) -> int:
     except Exception:
         traceback.print_exc()  # a bug, not a known failure: the whole story
         return 1
-    return 0
+    return result.get("exit_code", 0)
 
 
 def _spawn_worker(index: int, cfg: Config, nprocs: int, port: int, run_id: str) -> None:
@@ -204,26 +206,46 @@ def spawn(cfg: Config) -> int:
     context = mp.start_processes(_spawn_worker, args=(cfg, cfg.nprocs, port, run_id),
                                  nprocs=cfg.nprocs, join=False, start_method="spawn")
 
+    stop: list[int] = []
+
     def forward(signum: int, frame: Any) -> None:  # the workers stop, save and exit themselves
+        stop.append(signum)
         for process in context.processes:
             if process.is_alive():
                 os.kill(process.pid, signum)
 
     previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
     try:
-        while not context.join():
-            pass
-    except mp.ProcessExitedException as exc:
-        how = (f"was killed by {exc.signal_name}" if exc.signal_name
-               else f"exited with code {exc.exit_code}")
-        if exc.exit_code != 1:  # exit code 1: a worker that printed its own `error:` line
-            report_error(SetupError(f"worker {exc.error_index} {how}; the other workers were "
-                                    "stopped"))
-        return 1
+        return _wait_for_workers(context.processes, stop)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    return 0
+
+
+def _wait_for_workers(processes: list, stop: list[int]) -> int:
+    """Wait for every worker. One that fails stops the others (not torch's `join`, which would
+    also stop the workers of a stopped run while they save); a stopped run exits as a worker
+    did: 128 + the signal."""
+    waiting = {process.sentinel: index for index, process in enumerate(processes)}
+    while waiting:
+        for sentinel in mp_connection.wait(list(waiting)):
+            index = waiting.pop(sentinel)
+            processes[index].join()
+            code = processes[index].exitcode
+            if code == 0 or (stop and code - 128 in STOP_SIGNALS):  # stopped and saved
+                continue
+            for process in processes:
+                if process.is_alive():
+                    process.terminate()
+            how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+                   else f"exited with code {code}")
+            if code != 1:  # exit code 1: a worker that printed its own `error:` line
+                report_error(SetupError(f"worker {index} {how}; the other workers were "
+                                        "stopped"))
+            for process in processes:
+                process.join()
+            return 1
+    return 128 + stop[0] if stop else 0
 
 
 def main(argv: list[str] | None = None) -> int:

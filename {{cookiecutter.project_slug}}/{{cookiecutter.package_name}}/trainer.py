@@ -102,6 +102,7 @@ class Trainer:
         self.peak_reserved_mb: list[float] = []
         self.tracker_run_id: str | None = None
         self.stopped_by: str | None = None
+        self.stop_signal = signal.SIGTERM  # the exit code of a stopped run is 128 + this
         self._saved_step = -1
         self._set_aside = False  # other runs' checkpoints moved out of the folder yet?
         self._stalls_ms: list[float] = []  # how long training stood still for each save
@@ -313,6 +314,7 @@ class Trainer:
                              "use --clip-grad, or check the data", everywhere=True)
         if stop:  # some rank was asked to stop: every rank stops after this step
             self.stopped_by = signal.Signals(signum).name if signum else "another rank's signal"
+            self.stop_signal = signum or signal.SIGTERM
         now = time.perf_counter()
         samples_per_s = self._samples * self.world.world_size / max(now - self._last_log_time, 1e-9)
         self.last_loss = loss
@@ -357,7 +359,8 @@ class Trainer:
                     print(f"stopped by {self.stopped_by} at step {self.step}: checkpoint saved in "
                           f"{Path(self.cfg.checkpoint_dir).resolve()}; run the same command to "
                           "resume", flush=True)
-                return {"stopped_by": self.stopped_by, "steps": self.step}
+                return {"stopped_by": self.stopped_by, "steps": self.step,
+                        "exit_code": 128 + self.stop_signal}
             summary = self._summary()
             path = self.metrics.write_json("summary.json", summary)
             if self.cfg.step_times and self.world.is_main:
