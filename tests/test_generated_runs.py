@@ -43,7 +43,7 @@ def test_minimal_install_is_only_the_declared_dependencies(default_project, torc
     listed = check_ok(torch_venv.run([torch_venv.python, "-m", "pip", "list", "--format",
                                       "freeze"], default_project)).stdout
     names = {line.split("==")[0].lower() for line in listed.split() if "==" in line}
-    assert {"torch", "tqdm", "ddp-project"} <= names
+    assert {"torch", "tqdm", "pillow", "ddp-project"} <= names  # pillow: the image folders
     assert not names & {"numpy", "tensorboard", "wandb", "mlflow-skinny", "matplotlib"}, names
     assert not torch_venv.has("numpy", default_project)
 
@@ -167,6 +167,20 @@ def test_readme_worked_example_as_written(tmp_path, torch_venv, quickstart_done)
     check_ok(torch_venv.run(commands[1], project))
     summary = (project / "runs/latest/summary.json").read_text()
     assert '"epochs_completed": 10' in summary and '"val_accuracy"' in summary
+
+
+def test_readme_image_folder_of_jpeg_and_png_trains_with_no_extra_step(default_project, torch_venv,
+                                                                        quickstart_done):
+    readme = (default_project / "README.md").read_text()
+    block = readme.split("Your own images train", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    [command] = [line for line in block.splitlines() if line.startswith("torchrun")]
+    images = WORKED_EXAMPLE_IMAGES.replace("class{label}", "{['cat', 'dog', 'owl'][label]}")
+    check_ok(torch_venv.run([torch_venv.python, "-c", images, "data/train"], default_project))
+    assert {p.suffix for p in (default_project / "data/train/cat").iterdir()} == {".jpg", ".png"}
+    check_ok(torch_venv.run(command + " --output-dir images/runs --checkpoint-dir images/ck",
+                            default_project))
+    summary = (default_project / "images/runs/summary.json").read_text()
+    assert '"epochs_completed": 3' in summary and '"val_accuracy"' in summary
 
 
 TRACKERS = [("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow")]

@@ -115,6 +115,8 @@ def test_validation_batches_cover_each_sample_once_and_pad_to_equal_counts():
         assert len({len(s) for s in shards}) == 1, "every rank runs as many batches"
         real = [idx for s in shards for _, idx in list(s)[:s.real]]
         assert sorted(torch.cat(real).tolist()) == list(range(size))
+        # A rank with no share runs only padding: no empty batch (collate cannot make one).
+        assert all(len(idx) > 0 for s in shards for _, idx in s)
 
 
 def test_move_to_handles_nested_batches():

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
+from .failures import SetupError
+
 
 class InMemoryDataset(Dataset):
     """Tensors with the same first dimension, served whole batches at a time.
@@ -121,7 +123,7 @@ class FixedBatches:
     every rank runs as many forward passes as the others (fsdp gathers weights in each)."""
 
     def __init__(self, indices: torch.Tensor, batch_size: int, seed: int, count: int) -> None:
-        chunks = list(indices.split(batch_size))
+        chunks = list(indices.split(batch_size)) if len(indices) else []  # split gives 1 empty
         self.real = len(chunks)
         filler = indices[:1] if len(indices) else torch.zeros(1, dtype=torch.long)
         chunks += [filler] * (count - len(chunks))
@@ -161,12 +163,26 @@ class BatchFetcher:
             random.seed(seed)
             if "numpy" in sys.modules:
                 sys.modules["numpy"].random.seed(seed % 2**32)
-        if self._getitems is not None:
-            data = self._getitems(indices)
-        else:
-            data = [self.dataset[i] for i in indices.tolist()]
+        try:
+            if self._getitems is not None:
+                data = self._getitems(indices)
+            else:
+                data = [self.dataset[i] for i in indices.tolist()]
+        except SetupError as exc:
+            if get_worker_info() is None:
+                raise
+            # DataLoader would re-raise it in the training process with the worker's traceback
+            # as its message; handed over as a batch, it stays one line.
+            return WorkerError(str(exc))
         # A list holds samples still to be collated; anything else is already a batch.
         return self.collate(data) if isinstance(data, list) else data
+
+
+class WorkerError:
+    """A data worker's SetupError, on its way to the training process (raised by `move_to`)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
 
 
 class InProcessLoader:
@@ -262,4 +278,6 @@ def move_to(batch: Any, device: torch.device) -> Any:
     """A batch on `device`. Batches pinned by DataLoader workers copy without blocking the host."""
     if type(batch) is tuple and all(type(t) is torch.Tensor for t in batch):
         return tuple(t.to(device, non_blocking=True) for t in batch)  # the common case, fast
+    if isinstance(batch, WorkerError):
+        raise SetupError(batch.message)
     return _apply(batch, lambda t: t.to(device, non_blocking=True))

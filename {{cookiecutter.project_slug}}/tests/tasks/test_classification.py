@@ -6,10 +6,13 @@ with your own task, replace these with tests of yours; every other test keeps wo
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import ok, read_metrics, torchrun
+from PIL import Image
 
 from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.failures import SetupError
 
 
 def test_learns_far_better_than_chance(workdir):
@@ -20,23 +23,23 @@ def test_learns_far_better_than_chance(workdir):
     assert final["val_accuracy"] > 5 / task.SYNTHETIC_CLASSES  # chance is 1 / classes
 
 
-def write_ppm(path, image: torch.Tensor) -> None:
-    """A binary PPM (P6) of a 3 x H x W uint8 tensor."""
-    c, h, w = image.shape
-    path.write_bytes(f"P6\n# test image\n{w} {h}\n255\n".encode()
-                     + bytes(image.permute(1, 2, 0).flatten().tolist()))
-
-
 def write_image_folder(root, per_class: int = 40) -> None:
-    """Two classes told apart by colour, at a size the model resizes (24 x 20)."""
+    """Two classes told apart by colour, at a size the model resizes (24 x 20), in the formats
+    image folders hold: JPEG, PNG, and a PNG in grey."""
     g = torch.Generator().manual_seed(0)
     for label, colour in enumerate([(200, 40, 40), (40, 40, 200)]):
         folder = root / f"class{label}"
         folder.mkdir(parents=True)
         for i in range(per_class):
             noise = torch.randint(-40, 40, (3, 20, 24), generator=g)
-            image = (torch.tensor(colour)[:, None, None] + noise).clamp(0, 255).to(torch.uint8)
-            write_ppm(folder / f"{i:03d}.ppm", image)
+            pixels = (torch.tensor(colour)[:, None, None] + noise).clamp(0, 255).to(torch.uint8)
+            image = Image.frombytes("RGB", (24, 20),
+                                    bytes(pixels.permute(1, 2, 0).flatten().tolist()))
+            if i == 0:
+                image.convert("L").save(folder / f"{i:03d}.png")
+            else:
+                image.save(folder / f"{i:03d}.{'jpg' if i % 2 else 'png'}")
+        (folder / "notes.txt").write_text("not an image: skipped, as ImageFolder does")
 
 
 def test_image_folder_is_decoded_one_image_at_a_time_by_worker_processes(workdir):
@@ -58,3 +61,56 @@ def test_a_folder_without_class_folders_is_one_error_line(workdir):
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert result.returncode != 0 and len(errors) == 1, result.stderr
     assert "expected a folder with one sub-folder per class" in errors[0]
+
+
+BAD_FILES = {
+    "empty": b"",
+    "text": b"these are notes, saved with the wrong name\n",
+    "truncated": None,  # the first half of a real PNG
+}
+
+
+def write_bad_file(path, kind: str) -> None:
+    if BAD_FILES[kind] is None:
+        Image.new("RGB", (64, 64), (10, 200, 30)).save(path.with_suffix(".tmp.png"))
+        data = path.with_suffix(".tmp.png").read_bytes()
+        path.with_suffix(".tmp.png").unlink()
+        path.write_bytes(data[:len(data) // 2])
+    else:
+        path.write_bytes(BAD_FILES[kind])
+
+
+@pytest.mark.parametrize("kind", BAD_FILES)
+def test_a_file_that_cannot_be_decoded_is_named(tmp_path, kind):
+    write_bad_file(tmp_path / "bad.png", kind)
+    with pytest.raises(SetupError, match=f"--data: {tmp_path / 'bad.png'} cannot be decoded"):
+        task.read_image(tmp_path / "bad.png")
+
+
+def test_a_class_folder_without_images_says_which_and_why(tmp_path):
+    write_image_folder(tmp_path / "images", per_class=2)
+    (tmp_path / "images/class2").mkdir()
+    with pytest.raises(SetupError, match="class 'class2' has no images; put its images in it"):
+        task.ImageFolder(tmp_path / "images", augment=False)
+    (tmp_path / "images/class2/more").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "images/class2/more/0.png")
+    with pytest.raises(SetupError, match="its images are one folder too deep"):
+        task.ImageFolder(tmp_path / "images", augment=False)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_a_bad_image_ends_the_run_with_its_name_or_is_skipped_on_request(workdir, workers):
+    write_image_folder(workdir / "images", per_class=8)
+    write_bad_file(workdir / "images/class1/broken.jpg", "truncated")
+    flags = ["--data", "images", "--num-workers", workers, "--epochs", "1", "--batch-size", "4",
+             "--hidden-size", "8", "--timeout-s", "10"]
+    result = torchrun(flags, workdir)
+    assert result.returncode != 0
+    # Our own lines, no traceback of ours (torchrun's agent adds its own report of a failed job).
+    assert "broken.jpg cannot be decoded" in result.stderr
+    assert "{{ cookiecutter.package_name }}/" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors and all("broken.jpg" in line for line in errors), result.stderr
+    result = ok(torchrun([*flags, "--skip-bad-images", "--resume", "never"], workdir))
+    assert "--skip-bad-images: left out 1 file(s) that cannot be decoded" in result.stderr

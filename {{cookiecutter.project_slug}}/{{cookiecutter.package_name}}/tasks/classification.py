@@ -3,10 +3,9 @@ file, to train your own model on your own data (README.md, "Your model and data"
 
 This example: a small CNN that sorts 3x16x16 images into classes, trained with cross-entropy and
 scored by accuracy. Synthetic images by default; `--data FOLDER` reads an image folder, one
-sub-folder per class (`FOLDER/cat/001.ppm`, ...), decoding one image at a time from disk, with a
-random horizontal flip for training (use `--num-workers N` to decode in worker processes). The
-folder reader understands binary PPM/PGM; for JPEG or PNG, swap `read_image` for Pillow or
-torchvision (README.md shows how).
+sub-folder per class (`FOLDER/cat/001.jpg`, ...), decoding one image at a time from disk with
+Pillow (JPEG, PNG, PPM, WebP, ...: what torchvision's ImageFolder reads), with a random horizontal
+flip for training (use `--num-workers N` to decode in worker processes).
 
 The rest of the project relies on:
     build_datasets(cfg) -> (train, val)    map-style Datasets, the same on every rank (val or None)
@@ -19,22 +18,23 @@ Optional: collate(samples) -> batch, blocks(model) -> the model's repeated block
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from .config import Config, setting
 from .data import InMemoryDataset, split_for_validation
-from .failures import SetupError
+from .failures import SetupError, local_rank_from_env
 
 IMAGE_SIZE = 16
 CHANNELS = 3
 SYNTHETIC_CLASSES = 10
-IMAGE_SUFFIXES = (".ppm", ".pgm")
 
 
 @dataclass
@@ -47,6 +47,8 @@ class Settings:
     hidden_size: int = setting(64, "channels of the CNN's convolutions", low=1)
     num_layers: int = setting(2, "convolution blocks of the CNN", low=1)
     batch_norm: bool = setting(False, "BatchNorm after every convolution")
+    skip_bad_images: bool = setting(False, "with --data: leave out files that cannot be decoded "
+                                           "(checked at start, with a warning) instead of stopping")
 
 
 # ---------------------------------------------------------------------- data
@@ -62,43 +64,50 @@ def synthetic_images(size: int, seed: int) -> InMemoryDataset:
     return InMemoryDataset(images, labels)
 
 
+def image_files(folder: Path) -> list[Path]:
+    """The files of `folder` whose suffix Pillow knows as an image format (others are skipped, as
+    torchvision's ImageFolder does)."""
+    suffixes = Image.registered_extensions()
+    return [path for path in sorted(folder.iterdir())
+            if path.is_file() and path.suffix.lower() in suffixes]
+
+
 def read_image(path: Path) -> torch.Tensor:
-    """A binary PPM (P6, colour) or PGM (P5, grey) file as a CHANNELS x H x W uint8 tensor."""
-    data = path.read_bytes()
-    fields, position = [], 0
-    while len(fields) < 4:  # magic, width, height, maxval; '#' starts a comment
-        while data[position:position + 1].isspace():
-            position += 1
-        if data[position:position + 1] == b"#":
-            position = data.index(b"\n", position)
-            continue
-        end = position
-        while not data[end:end + 1].isspace():
-            end += 1
-        fields.append(data[position:end])
-        position = end
-    magic, width, height, maxval = fields[0], int(fields[1]), int(fields[2]), int(fields[3])
-    if magic not in (b"P5", b"P6") or maxval > 255:
-        raise SetupError(f"{path}: not an 8-bit binary PPM/PGM image", everywhere=True)
-    channels = 3 if magic == b"P6" else 1
-    pixels = torch.frombuffer(bytearray(data[position + 1:position + 1 + width * height *
-                                             channels]), dtype=torch.uint8)
-    image = pixels.view(height, width, channels).permute(2, 0, 1)
-    return image.expand(CHANNELS, -1, -1) if channels == 1 else image
+    """An image file as a CHANNELS x H x W uint8 tensor (grey and colour-mapped images become
+    RGB). A file that cannot be decoded is one `error:` line naming it."""
+    try:
+        with Image.open(path) as image:
+            rgb = image.convert("RGB")  # decodes the whole file: a truncated one fails here
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise SetupError(f"--data: {path} cannot be decoded as an image ({exc}); remove or "
+                         "replace it, or pass --skip-bad-images to leave such files out") from None
+    pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
+    return pixels.view(rgb.height, rgb.width, CHANNELS).permute(2, 0, 1)
 
 
 class ImageFolder(Dataset):
     """`root/<class>/<image>`: the classes are the sub-folders, in sorted order. Each image is read
     and decoded when asked for, resized to IMAGE_SIZE, and (for training) flipped at random."""
 
-    def __init__(self, root: str | Path, augment: bool) -> None:
+    def __init__(self, root: str | Path, augment: bool, skip_bad: bool = False) -> None:
         self.classes = class_names(root)
-        self.files = [(path, label) for label, name in enumerate(self.classes)
-                      for path in sorted((Path(root) / name).iterdir())
-                      if path.suffix.lower() in IMAGE_SUFFIXES]
-        if not self.files:
-            raise SetupError(f"--data {root}: no {'/'.join(IMAGE_SUFFIXES)} images in its class "
-                             "folders", everywhere=True)
+        self.files = []
+        for label, name in enumerate(self.classes):
+            folder = Path(root) / name
+            files = image_files(folder)
+            if not files:
+                deeper = [p for p in folder.iterdir() if p.is_dir() and image_files(p)]
+                why = (f"its images are one folder too deep ({deeper[0]}): move them up"
+                       if deeper else "put its images in it, or remove the folder")
+                raise SetupError(f"--data {root}: class {name!r} has no images; {why}",
+                                 everywhere=True)
+            self.files += [(path, label) for path in files]
+        if skip_bad:
+            bad = {path for path, _ in self.files if not decodes(path)}
+            if bad and local_rank_from_env() == 0:
+                print(f"warning: --skip-bad-images: left out {len(bad)} file(s) that cannot be "
+                      f"decoded, e.g. {min(bad)}", file=sys.stderr, flush=True)
+            self.files = [(path, label) for path, label in self.files if path not in bad]
         self.augment = augment
 
     def __len__(self) -> int:
@@ -114,6 +123,14 @@ class ImageFolder(Dataset):
         return (image - 0.5) / 0.25, torch.tensor(label)
 
 
+def decodes(path: Path) -> bool:
+    try:
+        read_image(path)
+    except SetupError:
+        return False
+    return True
+
+
 def class_names(root: str | Path) -> list[str]:
     names = sorted(p.name for p in Path(root).iterdir() if p.is_dir()) if Path(root).is_dir() \
         else []
@@ -127,7 +144,9 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     """Training and validation data, identical on every rank. Synthetic: --dataset-size images
     plus --val-fraction of that as validation. A folder: --val-fraction of its images held out."""
     if cfg.data:
-        train_files, val_files = ImageFolder(cfg.data, augment=True), ImageFolder(cfg.data, False)
+        train_files = ImageFolder(cfg.data, augment=True, skip_bad=cfg.task.skip_bad_images)
+        val_files = ImageFolder(cfg.data, augment=False)
+        val_files.files = train_files.files  # the same files, checked once
         n_val = int(len(train_files) * cfg.val_fraction)
         train, val = split_for_validation(len(train_files), n_val, cfg.seed)
         return Subset(train_files, train.tolist()), Subset(val_files, val.tolist()) if n_val \
