@@ -109,8 +109,13 @@ def test_unreadable_checkpoints_are_skipped_or_refused(tmp_path, capsys):
     assert capsys.readouterr().err.count("skipping unreadable checkpoint") == 3
     assert pick_checkpoint("never", tmp_path) is None
     assert pick_checkpoint("auto", tmp_path / "missing") is None
-    with pytest.raises(SetupError, match="cannot load it"):
+    with pytest.raises(SetupError, match="cannot load it .not a checkpoint file"):
         pick_checkpoint(str(newest), tmp_path)
+    with pytest.raises(SetupError, match="is a folder of checkpoints, not one; name one of them "
+                                         r"\(the newest is .*ckpt_step00000004\)"):
+        pick_checkpoint(str(tmp_path), tmp_path)
+    with pytest.raises(SetupError, match="a folder without a checkpoint's .metadata"):
+        pick_checkpoint(str(tmp_path / "ckpt_step00000004"), tmp_path)
 
 
 def test_arbitrary_objects_are_never_unpickled(tmp_path):

@@ -97,3 +97,13 @@ def test_plain_python_is_a_world_of_one(workdir):
     ok(python_train(["--epochs", "1", "--dataset-size", "256", "--batch-size", "32"], workdir))
     done = summary(workdir / "runs/latest")
     assert done["world_size"] == 1 and done["launcher"] == "none" and done["steps"] == 8
+
+
+def test_a_setting_that_does_nothing_with_another_flag_is_a_warning(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    parse_args(["--data", str(data), "--dataset-size", "10"])
+    assert f"warning: --dataset-size 10 has no effect with --data {data}" in capsys.readouterr().err
+    parse_args(["--data", str(data)])  # left at its default: nothing to say
+    parse_args(["--dataset-size", "10"])
+    assert "warning" not in capsys.readouterr().err

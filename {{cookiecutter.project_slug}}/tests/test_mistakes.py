@@ -61,6 +61,8 @@ CASES = {
     "clip-grad-nan": Case(["--clip-grad", "nan"], "--clip-grad: must be a finite number", 2),
     "timeout-inf": Case(["--timeout-s", "inf"], "--timeout-s: must be a finite number", 2),
     "timeout-zero": Case(["--timeout-s", "0"], "--timeout-s: must be a finite number", 2),
+    "timeout-tiny": Case(["--timeout-s", "0.01"], "--timeout-s: must be a finite number at least 1",
+                         2),
     "seed-negative": Case(["--seed", "-1"], "--seed: must be between 0 and", 2),
     "seed-huge": Case(["--seed", str(2**40)], "--seed: must be between 0 and", 2),
     "epochs-zero": Case(["--epochs", "0"], "--epochs: must be at least 1", 2),
@@ -110,10 +112,13 @@ CASES = {
     "step-times-under-a-file": Case(["--step-times", "afile/steps.json"],
                                     "--step-times afile/steps.json: cannot write it",
                                     prepare="afile"),
-    "resume-garbage": Case(["--resume", "garbage.pt"], "--resume garbage.pt: cannot load it",
+    "resume-garbage": Case(["--resume", "garbage.pt"], "--resume garbage.pt: cannot load it (not "
+                           "a checkpoint file: torch.save writes a zip archive",
                            prepare="garbage.pt"),
-    "resume-incomplete-folder": Case(["--resume", "half"], "--resume half: cannot load it "
-                                     "(incomplete", prepare="half"),
+    "resume-empty-folder": Case(["--resume", "half"], "--resume half: cannot load it (a folder "
+                                "without a checkpoint's .metadata", prepare="half"),
+    "resume-folder-of-checkpoints": Case(["--resume", "checkpoints"], "--resume checkpoints is a "
+                                         "folder of checkpoints, not one; name one of them"),
     "resume-other-model": Case(["--hidden-size", "16"], "does not fit the model: "),
     "resume-other-model-2-ranks": Case(["--hidden-size", "16"], "does not fit the model: ",
                                        launcher="torchrun"),
@@ -123,6 +128,9 @@ CASES = {
                                   launcher="torchrun"),
     "local-rank-not-a-number": Case([], "LOCAL_RANK='abc' is not an integer",
                                     env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "abc"}),
+    "rank-set-by-hand": Case([], "RANK=1 and WORLD_SIZE=2 are set in the environment but "
+                             "LOCAL_RANK is not, so no launcher started this process",
+                             env={"RANK": "1", "WORLD_SIZE": "2"}),
     "rank-outside-world": Case([], "rank 5 is outside a world of 2 processes",
                                env={"RANK": "5", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}),
     "master-port-not-a-number": Case([], "MASTER_PORT='http' is not an integer",
@@ -274,6 +282,21 @@ def test_keep_last_never_deletes_another_runs_checkpoints(workdir):
     assert mine == [ckpt_name(2)], "this run keeps its newest"
     aside = [p for p in (workdir / "checkpoints").iterdir() if p.name.startswith("earlier-")]
     assert {p.name for p in aside[0].iterdir()} == theirs, "the other run's are all still there"
+
+
+def test_a_resumed_run_keeps_what_the_earlier_run_kept_unless_told_otherwise(workdir):
+    small = [*BASE[1:], "--save-every-steps", "2"]  # 8 steps an epoch: a checkpoint every 2
+    ok(python_train([*small, "--keep-last", "0"], workdir))
+    assert len(list_checkpoints(workdir / "checkpoints")) == 4
+    # --keep-last left at its default (3): the earlier run's 0 holds, nothing is deleted.
+    result = ok(python_train([*small, "--epochs", "2"], workdir))
+    assert "note: --keep-last 0, as in the earlier run (give --keep-last to change it)" in \
+        result.stdout
+    assert len(list_checkpoints(workdir / "checkpoints")) == 8
+    # Given, it wins, and the note says it reaches the checkpoints already there.
+    result = ok(python_train([*small, "--epochs", "3", "--keep-last", "2"], workdir))
+    assert "note: --keep-last 2 given (the earlier run had 0)" in result.stdout
+    assert len(list_checkpoints(workdir / "checkpoints")) == 2
 
 
 def test_two_jobs_sharing_a_checkpoint_dir(workdir):

@@ -37,10 +37,12 @@ LAYOUTS = ["data_parallel", "model_parallel_2", "fsdp"]
 TRACKERS = ["none", "tensorboard", "wandb", "mlflow"]
 
 
-def setting(default: Any, help: str, low: float | None = None) -> Any:
-    """One field of task.py's `Settings`: its default, the one-line help of its --flag and, for
-    numbers, the lowest value it accepts."""
-    return field(default=default, metadata={"help": help, "low": low})
+def setting(default: Any, help: str, low: float | None = None,
+            unused_with: str | None = None) -> Any:
+    """One field of task.py's `Settings`: its default, the one-line help of its --flag, for
+    numbers the lowest value it accepts, and the Config field (e.g. "data") that makes it do
+    nothing: set both, and the run starts with a warning."""
+    return field(default=default, metadata={"help": help, "low": low, "unused_with": unused_with})
 
 
 def task_settings() -> type | None:
@@ -100,6 +102,9 @@ class Config:
     progress: bool = True
     config: str | None = None
     task: Any = field(default_factory=NoSettings)  # task.py's Settings
+    # Fields set by a flag or the --config file rather than left at their default ("task.x" for a
+    # task setting): a resumed run keeps the earlier run's retention unless it is given again.
+    given: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only, so a checkpoint loads with `weights_only=True`."""
@@ -235,7 +240,7 @@ def build_parser(settings: type | None = None) -> Parser:
                    help="auto = nccl when CUDA GPUs are visible, else gloo")
     g.add_argument("--init-method", default=d.init_method, metavar="METHOD",
                    help="env, tcp, file, tcp://HOST:PORT, file:///path or a path like ./store")
-    g.add_argument("--timeout-s", type=_float(0, False, 7 * 24 * 3600.0), default=d.timeout_s,
+    g.add_argument("--timeout-s", type=_float(1, True, 7 * 24 * 3600.0), default=d.timeout_s,
                    help="seconds any wait for the other ranks may take before the run fails")
     g.add_argument("--nprocs", type=_int(1, 1024), default=d.nprocs,
                    help="start this many processes with mp.spawn (only without a launcher)")
@@ -375,14 +380,38 @@ def parse_args(argv: list[str] | None = None) -> Config:
     settings = task_settings()
     parser = build_parser(settings)
     config_path = _config_path(argv)
-    if config_path:
-        parser.set_defaults(**config_file_values(config_path, parser))
+    file_values = config_file_values(config_path, parser) if config_path else {}
+    parser.set_defaults(**file_values)
     args = vars(parser.parse_args(argv))
+    given = sorted(set(file_values) | _given_on_command_line(settings, argv))
     task_values = {key[5:]: args.pop(key) for key in list(args) if key.startswith("task.")}
-    cfg = Config(**args, task=(settings or NoSettings)(**task_values))
+    cfg = Config(**args, task=(settings or NoSettings)(**task_values), given=given)
     for problem in problems(cfg):
         parser.fail(problem)
+    if local_rank_from_env() == 0:
+        for warning in unused_settings(cfg):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     return cfg
+
+
+def unused_settings(cfg: Config) -> list[str]:
+    """Task settings changed from their default that do nothing with the rest of the run."""
+    found = []
+    for f in dataclasses.fields(cfg.task):
+        other = f.metadata.get("unused_with")
+        value = getattr(cfg.task, f.name)
+        if other and getattr(cfg, other) not in (None, False) and value != f.default:
+            found.append(f"--{f.name.replace('_', '-')} {value} has no effect with --{other} "
+                         f"{getattr(cfg, other)}")
+    return found
+
+
+def _given_on_command_line(settings: type | None, argv: list[str] | None) -> set[str]:
+    """The fields the command line sets: parsed again with a marker for every default."""
+    unset = object()
+    probe = build_parser(settings)
+    probe.set_defaults(**{a.dest: unset for a in probe._actions if a.dest != "help"})
+    return {key for key, value in vars(probe.parse_args(argv)).items() if value is not unset}
 
 
 def _config_path(argv: list[str] | None) -> str | None:

@@ -292,8 +292,9 @@ def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
                     f"{advertised_address(backend, os.environ)}; set {VARIABLES[backend]} on every "
                     "node to the interface that reaches the others (`ip route get "
                     f"{rdzv.host or world.master_addr}` names it)") from None
-            raise SetupError(f"rank {world.rank}: gave up waiting for {what} ({first}); "
-                             f"{hint}") from None
+            raise SetupError(f"rank {world.rank}: gave up after {timeout_s:g} s waiting for "
+                             f"{what} ({first}); if they were still starting, raise --timeout-s; "
+                             f"else {hint}") from None
     return store
 
 

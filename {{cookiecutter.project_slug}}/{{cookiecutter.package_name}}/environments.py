@@ -88,8 +88,10 @@ class TorchrunEnvironment:
         elif local_rank_flag is not None:
             local_rank = local_rank_flag
         else:
-            raise SetupError("RANK and WORLD_SIZE are set but LOCAL_RANK is not; "
-                             "start with torchrun, or pass --local-rank")
+            raise SetupError(f"RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} are set in "
+                             "the environment but LOCAL_RANK is not, so no launcher started this "
+                             "process; unset RANK and WORLD_SIZE to train in one process, or "
+                             "start it with torchrun, which sets all three")
         if check:
             _check_ranks(rank, local_rank, world_size, "torchrun")
         local_world_size = (_int_var(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env

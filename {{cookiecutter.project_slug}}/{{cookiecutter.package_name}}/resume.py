@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,14 @@ from .failures import SetupError
 def unreadable(path: Path) -> str | None:
     """Why a checkpoint cannot be resumed from, or None if it can. Reads only its metadata: the
     structure of a file (a truncated one fails here), the metadata of a folder."""
+    if path.is_dir() and not is_complete(path):
+        if any(path.glob("*.distcp")):
+            return "incomplete: its save did not finish"
+        return "a folder without a checkpoint's .metadata and meta.json"
     if not is_complete(path):
-        return "incomplete: its save did not finish"
+        return "empty: its save did not finish"
+    if not zipfile.is_zipfile(path):
+        return "not a checkpoint file: torch.save writes a zip archive; or one cut short"
     try:
         read_meta(path)
     except Exception as exc:
@@ -40,6 +47,11 @@ def pick_checkpoint(resume: str, directory: str | Path) -> Path | None:
     if resume == "never":
         return None
     if resume != "auto":
+        inside = list_checkpoints(resume) if not is_complete(Path(resume)) else []
+        if inside:
+            raise SetupError(f"--resume {resume} is a folder of checkpoints, not one; name one of "
+                             f"them (the newest is {inside[0]}), or use --resume auto "
+                             f"--checkpoint-dir {resume}")
         why = unreadable(Path(resume))
         if why:
             raise SetupError(f"--resume {resume}: cannot load it ({why}); pick another checkpoint "
@@ -118,10 +130,32 @@ def restore_position(meta: dict[str, Any], cfg: Config, world_size: int, batches
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """Settings that differ between a checkpoint's run and this one, as 'key: old -> new'; the
     task's own settings (under "task") count like the others."""
-    launch_only = {"resume", "config", "nprocs", "local_rank", "task"}
+    launch_only = {"resume", "config", "nprocs", "local_rank", "task", "given"}
     saved, now = {**saved, **saved.get("task", {})}, {**now, **now.get("task", {})}
     return [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in now
             if key in saved and key not in launch_only and saved[key] != now[key]]
+
+
+# What a run keeps on disk: a resumed run never deletes what the earlier run kept because a flag
+# was left at its default.
+RETENTION = ("keep_last",)
+
+
+def keep_retention(cfg: Config, saved: dict[str, Any]) -> list[str]:
+    """Take the retention settings the command line leaves at their default from the checkpoint's
+    run (changing `cfg`); returns notes on those given that differ from it."""
+    notes = []
+    for key in RETENTION:
+        if key not in saved or saved[key] == getattr(cfg, key):
+            continue
+        flag = f"--{key.replace('_', '-')}"
+        if key in cfg.given:
+            notes.append(f"{flag} {getattr(cfg, key)} given (the earlier run had {saved[key]}): "
+                         "it applies to the checkpoints already there too")
+        else:
+            setattr(cfg, key, saved[key])
+            notes.append(f"{flag} {saved[key]}, as in the earlier run (give {flag} to change it)")
+    return notes
 
 
 # ---------------------------------------------------------------------- random-number state

@@ -44,6 +44,7 @@ from .parallel import set_gradient_sync, unwrap
 from .resume import (
     config_differences,
     gather_rng_states,
+    keep_retention,
     load_snapshot,
     pick_checkpoint,
     restore_position,
@@ -142,10 +143,16 @@ class Trainer:
         if self.world.is_main:
             print(f"resumed from {path} (epoch {self.epoch}, batch {self.batch_in_epoch}, step "
                   f"{self.step})", flush=True)
+        retention = keep_retention(self.cfg, meta.get("config", {}))  # every rank: same cfg
+        if self.ckpt_dir is not None:
+            self.ckpt_dir.keep_last = self.cfg.keep_last
+        if self.world.is_main:
             changed = config_differences(meta.get("config", {}), self.cfg.to_dict())
             if changed:
                 print(f"note: settings that differ from the checkpoint's run: {'; '.join(changed)}",
                       flush=True)
+            for note in retention:
+                print(f"note: {note}", flush=True)
 
     def _open_and_pick(self) -> str | None:
         self.ckpt_dir.open()

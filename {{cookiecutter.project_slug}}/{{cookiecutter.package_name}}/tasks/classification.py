@@ -43,7 +43,8 @@ class Settings:
     --config files, is saved with the run and its checkpoints, and is read below as
     cfg.task.<name>. Add your own here: nothing else needs to change."""
 
-    dataset_size: int = setting(2048, "images in the synthetic data set (without --data)", low=1)
+    dataset_size: int = setting(2048, "images in the synthetic data set (without --data)",
+                                low=1, unused_with="data")
     hidden_size: int = setting(64, "channels of the CNN's convolutions", low=1)
     num_layers: int = setting(2, "convolution blocks of the CNN", low=1)
     batch_norm: bool = setting(False, "BatchNorm after every convolution")

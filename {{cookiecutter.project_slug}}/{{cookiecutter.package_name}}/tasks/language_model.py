@@ -42,7 +42,7 @@ class Settings:
     cfg.task.<name>. Add your own here: nothing else needs to change."""
 
     dataset_size: int = setting(2048, "text windows in the synthetic data set (without --data)",
-                                low=1)
+                                low=1, unused_with="data")
     hidden_size: int = setting(64, "width of the transformer", low=1)
     num_layers: int = setting(2, "transformer blocks", low=1)
 

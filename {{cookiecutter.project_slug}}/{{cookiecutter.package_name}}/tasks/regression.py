@@ -38,7 +38,8 @@ class Settings:
     --config files, is saved with the run and its checkpoints, and is read below as
     cfg.task.<name>. Add your own here: nothing else needs to change."""
 
-    dataset_size: int = setting(2048, "samples in the synthetic data set (without --data)", low=1)
+    dataset_size: int = setting(2048, "samples in the synthetic data set (without --data)",
+                                low=1, unused_with="data")
     hidden_size: int = setting(64, "width of the MLP", low=1)
     num_layers: int = setting(2, "hidden blocks of the MLP", low=1)
     batch_norm: bool = setting(False, "BatchNorm in every block")
