@@ -6,8 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 if [[ -z "${NPROC:-}" ]]; then
+{%- if cookiecutter.model_layout == "model_parallel_2" %}
   # model_parallel_2 needs two GPUs per process.
-  NPROC=$("$PYTHON" -c "import torch; n = torch.cuda.device_count(); print(max(1, n // {{ 2 if cookiecutter.model_layout == 'model_parallel_2' else 1 }}) if n else 2)")
+  NPROC=$("$PYTHON" -c "import torch; n = torch.cuda.device_count(); print(max(1, n // 2) if n else 2)")
+{%- else %}
+  NPROC=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 2)")
+{%- endif %}
 fi
 {% if cookiecutter.launcher == "torchrun" -%}
 # --standalone: a private rendezvous on a free port, so several jobs can share the machine.

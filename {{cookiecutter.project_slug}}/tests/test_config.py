@@ -15,7 +15,7 @@ DOCUMENTED_FLAGS = [
     "--save-every-steps", "--keep-last", "--resume", "--precision", "--grad-accum", "--clip-grad",
     "--max-steps", "--log-every", "--output-dir", "--nprocs", "--no-progress", "--compile",
     "--find-unused-parameters", "--local-rank", "--local_rank", "--stage-devices", "--async-save",
-    "--config", "--model-layout", "--tracker", "--profile-steps",
+    "--config", "--model-layout", "--tracker", "--profile-steps", "--run-name",
 ]
 
 
@@ -107,3 +107,14 @@ def test_a_setting_that_does_nothing_with_another_flag_is_a_warning(tmp_path, ca
     parse_args(["--data", str(data)])  # left at its default: nothing to say
     parse_args(["--dataset-size", "10"])
     assert "warning" not in capsys.readouterr().err
+
+
+def test_run_name_puts_outputs_and_checkpoints_in_folders_of_their_own():
+    cfg = parse_args(["--run-name", "lr-sweep-1"])
+    assert (cfg.output_dir, cfg.checkpoint_dir) == ("runs/lr-sweep-1", "checkpoints/lr-sweep-1")
+    cfg = parse_args(["--run-name", "a", "--output-dir", "elsewhere"])  # given: it wins
+    assert (cfg.output_dir, cfg.checkpoint_dir) == ("elsewhere", "checkpoints/a")
+    cfg = parse_args([])
+    assert (cfg.output_dir, cfg.checkpoint_dir) == ("runs/latest", "checkpoints")
+    with pytest.raises(SystemExit):
+        parse_args(["--run-name", "../up"])

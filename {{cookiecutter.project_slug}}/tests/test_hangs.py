@@ -142,6 +142,9 @@ def test_an_unreachable_tcp_address(workdir, hosts):
                           text=True)
     [(code, out, took)] = finish([proc], started)
     assert_one_error(code, out, target)
+    # torch's socket warnings and retries (with C++ stack frames) go to the run's log.
+    assert "frame #" not in out and "[c10d]" not in out, out
+    assert "[c10d]" in (workdir / "runs/latest/torch-rank1.log").read_text()
     print(f"unreachable address: exit after {took:.1f} s")
 
 

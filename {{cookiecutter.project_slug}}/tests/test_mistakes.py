@@ -138,6 +138,7 @@ CASES = {
                                           "MASTER_PORT": "http"}),
     "disk-full-at-first-save": Case(["--epochs", "3"], "cannot write checkpoint",
                                     prepare="file-size-limit"),
+    "model-too-large": Case(["--hidden-size", "1000000"], "task.build_model: out of memory"),
     "loss-becomes-nan": Case(["--epochs", "3", "--log-every", "2"], "the loss became nan by step",
                              prepare="nan-after-step-4"),
 }

@@ -95,6 +95,7 @@ class Config:
     resume: str = "auto"
     async_save: bool = False
     output_dir: str = "runs/latest"
+    run_name: str | None = None
     log_every: int = 10
     step_times: str | None = None
     profile_steps: str | None = None
@@ -141,6 +142,12 @@ def _float(low: float, inclusive: bool, high: float = math.inf):
         return value
     parse.__name__ = "number"
     return parse
+
+
+def _run_name(text: str) -> str:
+    if not text or text in (".", "..") or "/" in text or "\\" in text:
+        raise argparse.ArgumentTypeError(f"must be a plain folder name (no slashes), got {text!r}")
+    return text
 
 
 def _fraction(text: str) -> float:
@@ -263,6 +270,9 @@ def build_parser(settings: type | None = None) -> Parser:
                    help="write checkpoints in the background while training goes on")
     g.add_argument("--output-dir", default=d.output_dir,
                    help="metrics.jsonl, summary.json and config.json go here")
+    g.add_argument("--run-name", type=_run_name, default=d.run_name,
+                   help="outputs in runs/NAME and checkpoints in checkpoints/NAME (unless "
+                        "--output-dir / --checkpoint-dir are given)")
     g.add_argument("--log-every", type=_int(1), default=d.log_every,
                    help="log every N optimizer steps")
     g.add_argument("--step-times", default=d.step_times, metavar="PATH",
@@ -385,6 +395,10 @@ def parse_args(argv: list[str] | None = None) -> Config:
     args = vars(parser.parse_args(argv))
     given = sorted(set(file_values) | _given_on_command_line(settings, argv))
     task_values = {key[5:]: args.pop(key) for key in list(args) if key.startswith("task.")}
+    if args["run_name"]:  # several runs side by side, each resuming its own checkpoints
+        for key, parent in (("output_dir", "runs"), ("checkpoint_dir", "checkpoints")):
+            if key not in given:
+                args[key] = f"{parent}/{args['run_name']}"
     cfg = Config(**args, task=(settings or NoSettings)(**task_values), given=given)
     for problem in problems(cfg):
         parser.fail(problem)

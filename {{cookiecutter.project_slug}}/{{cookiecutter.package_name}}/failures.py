@@ -19,10 +19,39 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+_terminal_fd = 2  # where this process's own lines go (see keep_torch_messages_in)
+
+
+def terminal_fd() -> int:
+    return _terminal_fd
+
+
+def keep_torch_messages_in(path: Path) -> None:
+    """Send what torch's C++ code writes to stderr to `path`: a store that cannot be reached
+    retries with 30 lines of C++ stack frames each time, sockets warn about host names. This
+    process's own lines (Python's sys.stderr) keep the terminal. Skipped when TORCH_CPP_LOG_LEVEL
+    is set: whoever sets it wants to read them."""
+    global _terminal_fd
+    if "TORCH_CPP_LOG_LEVEL" in os.environ or _terminal_fd != 2:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:
+        return  # an output dir that cannot be written is reported by what writes there
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    os.dup2(log, 2)  # file descriptor 2: where C++ code writes
+    os.close(log)
+    sys.stderr = open(terminal, "w", buffering=1, encoding=sys.stderr.encoding,
+                      errors="backslashreplace")
+    _terminal_fd = terminal
 
 
 class SetupError(RuntimeError):

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .backstop import MARGIN_S, SAME_EVENT_S, Backstop
+from .failures import terminal_fd
 
 STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT] + (
     [signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
@@ -38,7 +39,7 @@ ENDING = (signal.SIGTERM, signal.SIGINT)
 
 
 def _say(text: str) -> None:
-    os.write(2, (text.rstrip("\n") + "\n").encode())
+    os.write(terminal_fd(), (text.rstrip("\n") + "\n").encode())
 
 
 class Lifeline:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import signal
 import time
 import traceback
@@ -39,6 +40,7 @@ from .failures import (
     PeerErrors,
     SetupError,
     is_communication_failure,
+    keep_torch_messages_in,
     report_error,
 )
 from .lifeline import STOP_SIGNALS, Lifeline
@@ -93,7 +95,7 @@ def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device
         torch.backends.cudnn.benchmark = False
     seed_everything(cfg.seed)  # the same data and the same initial model on every rank
     data = build_data(cfg, world, devices[0], collective_device(backend, devices[0]))
-    model = parallelize(task.build_model(cfg), cfg, devices, task, world.is_main)
+    model = parallelize(build_model(cfg), cfg, devices, task, world.is_main)
     steps_per_epoch = math.ceil(data.batches.batches_per_epoch() / cfg.grad_accum)
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     # fsdp on a GPU casts through its mixed-precision policy instead of autocast.
@@ -104,6 +106,38 @@ def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device
     seed_everything(cfg.seed + world.rank)  # different random streams per rank from here on
     trainer.resume()
     return trainer.train()
+
+
+def build_model(cfg: Config) -> torch.nn.Module:
+    """task.build_model; a model too large for memory is one line with its size."""
+    try:
+        return task.build_model(cfg)
+    except RuntimeError as exc:  # torch.OutOfMemoryError too; the CPU allocator's has no type
+        asked = re.search(r"[Tt]ried to allocate ([\d.]+ ?\w+)", str(exc))
+        if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
+            raise
+    request = asked.group(1) if asked else ""
+    if request.endswith("bytes"):
+        request = _size(float(request.split()[0]))
+    what = f" (the allocator was asked for {request} at once)" if request else ""
+    try:
+        with torch.device("meta"):  # the same model without memory, to count its parameters
+            count = sum(p.numel() for p in task.build_model(cfg).parameters())
+        what += (f": the model has {count:,} parameters, {_size(4 * count)} in fp32 before "
+                 "gradients and optimizer state")
+    except Exception:  # a task.build_model that cannot run on the meta device
+        pass
+    raise SetupError(f"task.build_model: out of memory{what}; build a smaller model (e.g. "
+                     "--hidden-size, --num-layers)", everywhere=True)
+
+
+def _size(n_bytes: float) -> str:
+    unit = "bytes"
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if n_bytes < 1000:
+            break
+        n_bytes /= 1000
+    return f"{n_bytes:.3g} {unit}"
 
 
 def launcher_pid(world: World) -> int:
@@ -117,6 +151,8 @@ def run(cfg: Config, world: World) -> dict:
     """Train as one process of `world`. The process group is always left, even on errors."""
     lifeline = Lifeline(world.rank, cfg.timeout_s, cfg.output_dir,  # signals count from here on
                         launcher_pid(world)).start()
+    # After the watchdog started (it keeps the terminal for its own lines).
+    keep_torch_messages_in(Path(cfg.output_dir) / f"torch-rank{world.rank}.log")
     if cfg.num_workers > 0:
         worker_context()  # the data workers' server starts its imports now
     store = rdzv = None

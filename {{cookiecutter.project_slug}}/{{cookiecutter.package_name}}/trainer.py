@@ -340,6 +340,14 @@ class Trainer:
 
     def train(self) -> dict[str, Any]:
         """Train until --epochs (or --max-steps), saving as configured; returns the summary."""
+        if self.resumed_from and self._done():  # every rank resumed the same checkpoint
+            if self.world.is_main:
+                where = (f"step {self.step} of --max-steps {self.cfg.max_steps}"
+                         if self.cfg.max_steps and self.step >= self.cfg.max_steps
+                         else f"epoch {self.epoch} of {self.cfg.epochs}, step {self.step}")
+                print(f"this run is complete: {where}; raise --epochs or --max-steps, or use "
+                      "--resume never to start over", flush=True)
+            return {"complete": True, "steps": self.step}  # summary and metrics stay as they are
         with self.lifeline.waiting("rank 0 to start the metrics and tracker",
                                    "check rank 0's output"):
             agree(self._open_metrics, self.comm_device)
