@@ -15,7 +15,8 @@ DOCUMENTED_FLAGS = [
     "--save-every-steps", "--keep-last", "--resume", "--precision", "--grad-accum", "--clip-grad",
     "--max-steps", "--log-every", "--output-dir", "--nprocs", "--no-progress", "--compile",
     "--find-unused-parameters", "--local-rank", "--local_rank", "--stage-devices", "--async-save",
-    "--config", "--model-layout", "--tracker", "--profile-steps", "--run-name",
+    "--config", "--model-layout", "--tracker", "--profile-steps", "--run-name", "--eval-only",
+    "--eval-every-steps", "--keep-best", "--early-stop",
 ]
 
 
@@ -118,3 +119,16 @@ def test_run_name_puts_outputs_and_checkpoints_in_folders_of_their_own():
     assert (cfg.output_dir, cfg.checkpoint_dir) == ("runs/latest", "checkpoints")
     with pytest.raises(SystemExit):
         parse_args(["--run-name", "../up"])
+
+
+def test_keep_best_and_early_stop_say_which_way_is_better(capsys):
+    assert parse_args(["--keep-best", "val_accuracy:max"]).keep_best == "val_accuracy:max"
+    assert parse_args(["--keep-best", "loss"]).keep_best == "loss"  # a loss: lower is better
+    assert parse_args(["--early-stop", "val_loss:3"]).early_stop == "val_loss:3"
+    for flags, says in ((["--keep-best", "val_accuracy"], "val_accuracy:max or val_accuracy:min"),
+                        (["--keep-best", "val_accuracy:up"], "expected METRIC, METRIC:max"),
+                        (["--early-stop", "val_loss"], "expected METRIC[:max|min]:PATIENCE"),
+                        (["--early-stop", "val_loss:0"], "PATIENCE at least 1")):
+        with pytest.raises(SystemExit):
+            parse_args(flags)
+        assert says in capsys.readouterr().err

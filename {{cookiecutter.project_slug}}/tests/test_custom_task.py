@@ -90,6 +90,14 @@ def blocks(model):
     return [model.body, model.out]
 
 
+def configure_optimizer(model, cfg):  # two parameter groups and a scheduler of its own
+    decay = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    rest = [p for name, p in model.named_parameters() if not name.endswith("weight")]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
+                                   {"params": rest, "weight_decay": 0.0}], lr=cfg.lr)
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
+
+
 def loss_fn(model, batch):
     assert batch["size"] == batch["label"].shape[0]
     return F.cross_entropy(model(batch["features"])["logits"], batch["label"])
@@ -136,6 +144,13 @@ def test_a_task_of_dicts_trains_evaluates_and_resumes(custom_project, layout):
     train("--checkpoint-dir", "b", "--output-dir", "rb")
     assert summary(custom_project / "rb")["resumed_from"]
     assert_same_model(final_model(custom_project / "a"), final_model(custom_project / "b"))
+    # task.configure_optimizer's groups and scheduler, in the checkpoint and in the metrics.
+    state = load_state(max((custom_project / "b").glob("ckpt_step*.pt")))
+    assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.05, 0.0]
+    assert state["optim"]["scheduler"]["step_size"] == 10
+    lrs = [m["lr"] for m in read_metrics(custom_project / "rb") if "lr" in m]
+    steps = summary(custom_project / "rb")["steps"]
+    assert lrs[-1] == pytest.approx(0.01 * 0.9 ** (steps // 10))  # StepLR, once a step
 
 
 def dropout_of_the_run(project, output_dir: str, checkpoint_dir: str) -> float:

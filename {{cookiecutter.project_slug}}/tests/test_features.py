@@ -205,3 +205,44 @@ def test_doctor_explains_nccl_without_gpus(workdir):
         pytest.skip("this machine has GPUs")
     result = run_cmd([*DOCTOR, "--backend", "nccl"], PROJECT_ROOT)
     assert result.returncode == 1 and "FAIL: backend nccl" in result.stderr
+
+
+EVAL = ["--dataset-size", "512", "--batch-size", "16", "--hidden-size", "16", "--epochs", "4",
+        "--eval-every-steps", "4", "--log-every", "4"]  # 16 steps an epoch
+
+
+def test_evaluation_every_n_steps_the_best_checkpoint_an_early_stop_and_eval_only(workdir):
+    # The "best" by the largest validation loss: the first evaluation (step 4), kept beside the
+    # newest checkpoint whatever --keep-last says.
+    ok(torchrun([*EVAL, "--keep-best", "val_loss:max", "--keep-last", "1"], workdir))
+    evals = read_metrics(workdir / "runs/latest", "val_loss")
+    assert [m["step"] for m in evals] == list(range(4, 65, 4))
+    done = summary(workdir / "runs/latest")
+    assert done["best"] == {"metric": "val_loss", "value": evals[0]["val_loss"], "step": 4}
+    assert sorted(p.name for p in (workdir / "checkpoints").glob("ckpt_step*")) == [
+        ckpt_name(4), ckpt_name(64)]
+    # The checkpoint evaluated alone: the same metrics, and nothing else changes.
+    before = sorted((workdir / "checkpoints").iterdir())
+    result = ok(torchrun([*EVAL, "--eval-only", "--resume", f"checkpoints/{ckpt_name(4)}",
+                          "--output-dir", "evaluated"], workdir))
+    assert f"evaluation of checkpoints/{ckpt_name(4)} (step 4): val_accuracy" in result.stdout
+    evaluated = json.loads((workdir / "evaluated/eval.json").read_text())
+    assert evaluated["step"] == 4 and evaluated["val_loss"] == evals[0]["val_loss"]
+    assert sorted((workdir / "checkpoints").iterdir()) == before
+    assert not (workdir / "evaluated/summary.json").exists()
+    # Stop once the (largest) loss has not improved for 2 evaluations: at step 12.
+    result = ok(torchrun([*EVAL, "--early-stop", "val_loss:max:2", "--checkpoint-dir", "es",
+                          "--output-dir", "es-runs"], workdir))
+    assert "early stop: val_loss has not improved for 2 evaluation(s)" in result.stdout
+    done = summary(workdir / "es-runs")
+    assert done["early_stopped"] and done["steps"] == 12
+
+
+def test_the_built_in_schedules_after_the_warm_up():
+    from {{ cookiecutter.package_name }}.optim import lr_lambda
+
+    for schedule, middle in (("constant", 1.0), ("cosine", 0.5), ("linear", 0.5)):
+        factor = lr_lambda(schedule, warmup_steps=4, total_steps=104)
+        assert [factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+        assert factor(54) == pytest.approx(middle) and factor(4) == 1.0
+        assert factor(104) == (1.0 if schedule == "constant" else pytest.approx(0.0))

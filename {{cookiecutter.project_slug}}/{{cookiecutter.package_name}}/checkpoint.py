@@ -139,6 +139,7 @@ class CheckpointDir:
     def __init__(self, directory: str | Path, keep_last: int) -> None:
         self.directory = Path(directory)
         self.keep_last = keep_last
+        self.keep_step: int | None = None  # --keep-best's checkpoint: never pruned
         self._lock_file: Any = None
         self._thread: threading.Thread | None = None
         self._error: SetupError | None = None
@@ -200,7 +201,8 @@ class CheckpointDir:
     def prune(self) -> None:
         if self.keep_last > 0:
             for old in list_checkpoints(self.directory)[self.keep_last:]:
-                _remove(old)
+                if step_of(old) != self.keep_step:
+                    _remove(old)
 
     def commit(self, tmp: Path, final: Path) -> None:
         """Give a finished temp file or folder its real name, then prune."""

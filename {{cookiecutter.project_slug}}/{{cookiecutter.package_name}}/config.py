@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .evaluation import parse_goal
 from .failures import QUIET_EXIT_DELAY_S, local_rank_from_env
 
 if sys.version_info >= (3, 11):
@@ -96,6 +97,10 @@ class Config:
     async_save: bool = False
     output_dir: str = "runs/latest"
     run_name: str | None = None
+    eval_every_steps: int = 0
+    eval_only: bool = False
+    keep_best: str | None = None
+    early_stop: str | None = None
     log_every: int = 10
     step_times: str | None = None
     profile_steps: str | None = None
@@ -142,6 +147,22 @@ def _float(low: float, inclusive: bool, high: float = math.inf):
         return value
     parse.__name__ = "number"
     return parse
+
+
+def _goal(text: str) -> str:
+    try:
+        parse_goal(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _early_stop(text: str) -> str:
+    goal, _, patience = text.rpartition(":")
+    if not goal or not patience.isdigit() or int(patience) < 1:
+        raise argparse.ArgumentTypeError(f"expected METRIC[:max|min]:PATIENCE with PATIENCE at "
+                                         f"least 1, e.g. val_loss:3, got {text!r}")
+    return f"{_goal(goal)}:{patience}"
 
 
 def _run_name(text: str) -> str:
@@ -205,8 +226,9 @@ def build_parser(settings: type | None = None) -> Parser:
                    help="peak learning rate (AdamW)")
     g.add_argument("--weight-decay", type=_float(0, True), default=d.weight_decay,
                    help="AdamW weight decay")
-    g.add_argument("--lr-schedule", choices=["constant", "cosine"], default=d.lr_schedule,
-                   help="constant, or cosine decay to 0 after the warm-up")
+    g.add_argument("--lr-schedule", choices=["constant", "cosine", "linear"],
+                   default=d.lr_schedule,
+                   help="after the warm-up: constant, or a cosine or linear decay to 0")
     g.add_argument("--warmup-steps", type=_int(0), default=d.warmup_steps,
                    help="linear warm-up steps")
     g.add_argument("--seed", type=_int(0, SEED_MAX), default=d.seed,
@@ -270,6 +292,17 @@ def build_parser(settings: type | None = None) -> Parser:
                    help="write checkpoints in the background while training goes on")
     g.add_argument("--output-dir", default=d.output_dir,
                    help="metrics.jsonl, summary.json and config.json go here")
+    g.add_argument("--eval-every-steps", type=_int(0), default=d.eval_every_steps,
+                   help="also evaluate every N optimizer steps (0: only at the end of epochs)")
+    g.add_argument("--eval-only", action="store_true", default=d.eval_only,
+                   help="evaluate the --resume checkpoint, write <output-dir>/eval.json, "
+                        "change nothing")
+    g.add_argument("--keep-best", type=_goal, default=d.keep_best, metavar="METRIC[:max|min]",
+                   help="also keep the checkpoint with the best METRIC (e.g. val_accuracy:max), "
+                        "whatever --keep-last says")
+    g.add_argument("--early-stop", type=_early_stop, default=d.early_stop,
+                   metavar="METRIC[:max|min]:PATIENCE",
+                   help="stop when METRIC has not improved for PATIENCE evaluations")
     g.add_argument("--run-name", type=_run_name, default=d.run_name,
                    help="outputs in runs/NAME and checkpoints in checkpoints/NAME (unless "
                         "--output-dir / --checkpoint-dir are given)")

@@ -61,3 +61,75 @@ class Evaluator:
             raise SetupError("task.eval_metrics must return per-batch sums and a 'count' (or "
                              f"'<metric>_count'); it returned {', '.join(values)}", everywhere=True)
         return sorted(values)
+
+
+def parse_goal(text: str) -> tuple[str, bool]:
+    """'val_accuracy:max' -> ('val_accuracy', True). The direction may be left out only for a
+    loss, which is lower when better."""
+    name, _, direction = text.partition(":")
+    name = name if name.startswith("val_") else f"val_{name}"
+    if direction not in ("max", "min", ""):
+        raise ValueError(f"expected METRIC, METRIC:max or METRIC:min, got {text!r}")
+    if not direction and not name.endswith("loss"):
+        raise ValueError(f"say whether higher or lower is better: {name}:max or {name}:min")
+    return name, direction == "max"
+
+
+class ModelSelection:
+    """--keep-best and --early-stop: the best evaluation so far, and how many came after it.
+
+    Every rank sees the same (all-reduced) metrics, so every rank decides the same without a
+    collective. The state goes into checkpoints: a resumed run compares against the same best."""
+
+    def __init__(self, keep_best: str | None, early_stop: str | None) -> None:
+        self.keep = parse_goal(keep_best) if keep_best else None
+        self.stop = None
+        self.patience = 0
+        if early_stop:
+            goal, _, patience = early_stop.rpartition(":")
+            self.stop, self.patience = parse_goal(goal), int(patience)
+        self.best: dict[str, Any] = {}  # of --keep-best: metric, value, step (once saved)
+        self.stop_best: float | None = None
+        self.since_best = 0  # evaluations since --early-stop's metric last improved
+        self.pending_save = False  # a new best, to be saved at this step
+        self.should_stop = False
+
+    def update(self, metrics: dict[str, float], step: int) -> list[str]:
+        """Take one evaluation's metrics; returns what to tell the user."""
+        notes = []
+        for goal in filter(None, (self.keep, self.stop)):
+            if goal[0] not in metrics:
+                raise SetupError(f"{goal[0]}: the evaluation reports no such metric (it reports "
+                                 f"{', '.join(metrics)}); fix --keep-best / --early-stop",
+                                 everywhere=True)
+        if self.keep:
+            name, maximize = self.keep
+            if not self.best or _better(metrics[name], self.best["value"], maximize):
+                self.best = {"metric": name, "value": metrics[name], "step": step}
+                self.pending_save = True
+        if self.stop:
+            name, maximize = self.stop
+            if self.stop_best is None or _better(metrics[name], self.stop_best, maximize):
+                self.stop_best, self.since_best = metrics[name], 0
+            else:
+                self.since_best += 1
+            if self.since_best >= self.patience:
+                self.should_stop = True
+                notes.append(f"early stop: {name} has not improved for {self.since_best} "
+                             f"evaluation(s) (best {self.stop_best:.5g})")
+        return notes
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "stop_best": self.stop_best, "since_best": self.since_best}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state:
+            self.best, self.stop_best = state["best"], state["stop_best"]
+            self.since_best = state["since_best"]
+
+    def summary(self) -> dict[str, Any]:
+        return {"best": self.best or None, "early_stopped": self.should_stop}
+
+
+def _better(value: float, than: float, maximize: bool) -> bool:
+    return value > than if maximize else value < than

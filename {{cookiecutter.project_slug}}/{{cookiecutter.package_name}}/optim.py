@@ -1,4 +1,5 @@
-"""The optimizer step: AdamW, the learning-rate schedule, mixed precision and gradient clipping."""
+"""The optimizer step: AdamW (or task.configure_optimizer's), the learning-rate schedule, mixed
+precision and gradient clipping."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from torch import nn
 
 from .config import Config
 from .failures import SetupError
+from .parallel import unwrap
 
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
-    """Multiplier of the peak LR at a step: linear warm-up, then constant or cosine decay to 0."""
+    """Multiplier of the peak LR at a step: linear warm-up, then constant, or a cosine or linear
+    decay to 0."""
 
     def factor(step: int) -> float:
         if step < warmup_steps:
@@ -25,24 +28,38 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
         if schedule == "constant":
             return 1.0
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if schedule == "linear":
+            return 1.0 - progress
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
 
 
 class Optimization:
-    """AdamW with its schedule, autocast and (fp16 only) a GradScaler, behind three calls:
-    `autocast()` around the forward, `backward(loss)`, `step()` once per optimizer step."""
+    """The optimizer with its schedule, autocast and (fp16 only) a GradScaler, behind three calls:
+    `autocast()` around the forward, `backward(loss)`, `step()` once per optimizer step.
+
+    The optimizer is AdamW over every trainable parameter, or what `configure(model, cfg)`
+    returns (task.configure_optimizer, given the user's model without DDP's wrapper): an optimizer,
+    parameter groups allowed, or an (optimizer, scheduler) pair. Without a scheduler of its own,
+    --lr-schedule and --warmup-steps scale each group's learning rate. Either way the scheduler
+    steps once per optimizer step and its state goes into every checkpoint."""
 
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device, total_steps: int,
-                 autocast: bool = True) -> None:
+                 autocast: bool = True, configure: Callable | None = None) -> None:
         if cfg.precision == "fp16" and device.type != "cuda":
             raise SetupError("--precision fp16 needs CUDA (it relies on a GradScaler); use "
                              "--precision bf16 on CPU", everywhere=True)
         self.cfg, self.device, self.total_steps = cfg, device, total_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+        made = configure(unwrap(model), cfg) if configure else torch.optim.AdamW(
+            self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer, scheduler = made if isinstance(made, tuple) else (made, None)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise SetupError("task.configure_optimizer must return a torch.optim.Optimizer or an "
+                             f"(optimizer, scheduler) pair, not {type(made).__name__}",
+                             everywhere=True)
+        self.scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
         # fsdp on CUDA casts through its own mixed-precision policy instead of autocast.
         self.amp_dtype = AMP_DTYPES[cfg.precision] if autocast else None

@@ -138,7 +138,7 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 # What a run keeps on disk: a resumed run never deletes what the earlier run kept because a flag
 # was left at its default.
-RETENTION = ("keep_last",)
+RETENTION = ("keep_last", "keep_best")
 
 
 def keep_retention(cfg: Config, saved: dict[str, Any]) -> list[str]:

@@ -100,7 +100,8 @@ def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     # fsdp on a GPU casts through its mixed-precision policy instead of autocast.
     autocast = not (cfg.model_layout == "fsdp" and devices[0].type == "cuda")
-    optim = Optimization(model, cfg, devices[0], total_steps, autocast=autocast)
+    optim = Optimization(model, cfg, devices[0], total_steps, autocast=autocast,
+                         configure=getattr(task, "configure_optimizer", None))
     trainer = Trainer(cfg, world, task, model, optim, data,
                       Runtime(devices[0], backend, lifeline, STARTED_AT))
     seed_everything(cfg.seed + world.rank)  # different random streams per rank from here on
@@ -132,12 +133,10 @@ def build_model(cfg: Config) -> torch.nn.Module:
 
 
 def _size(n_bytes: float) -> str:
-    unit = "bytes"
-    for unit in ("bytes", "KB", "MB", "GB", "TB"):
-        if n_bytes < 1000:
-            break
-        n_bytes /= 1000
-    return f"{n_bytes:.3g} {unit}"
+    units = ["bytes", "KB", "MB", "GB", "TB"]
+    while n_bytes >= 1000 and len(units) > 1:
+        n_bytes, units = n_bytes / 1000, units[1:]
+    return f"{n_bytes:.3g} {units[0]}"
 
 
 def launcher_pid(world: World) -> int:

@@ -28,7 +28,7 @@ from .config import Config
 from .data import ShardedBatchSampler, move_to
 from .distributed import collective_device
 from .environments import World
-from .evaluation import Evaluator
+from .evaluation import Evaluator, ModelSelection
 from .failures import SetupError, agree
 from .lifeline import Lifeline
 from .metrics import (
@@ -93,6 +93,7 @@ class Trainer:
         self.book = Bookkeeping(self.progress, self.clock, self.profiler, cfg.log_every,
                                 cfg.save_every_steps)
         self.metrics = MetricsWriter(cfg.output_dir, False)  # rank 0's real one opens in train()
+        self.selection = ModelSelection(cfg.keep_best, cfg.early_stop)
 
         # Position: the epoch being trained, the batches of it already done, optimizer steps.
         self.epoch, self.batch_in_epoch, self.step = 0, 0, 0
@@ -144,8 +145,11 @@ class Trainer:
             print(f"resumed from {path} (epoch {self.epoch}, batch {self.batch_in_epoch}, step "
                   f"{self.step})", flush=True)
         retention = keep_retention(self.cfg, meta.get("config", {}))  # every rank: same cfg
+        self.selection = ModelSelection(self.cfg.keep_best, self.cfg.early_stop)
+        self.selection.load_state_dict(meta.get("selection"))
         if self.ckpt_dir is not None:
             self.ckpt_dir.keep_last = self.cfg.keep_last
+            self.ckpt_dir.keep_step = self.selection.best.get("step")
         if self.world.is_main:
             changed = config_differences(meta.get("config", {}), self.cfg.to_dict())
             if changed:
@@ -166,6 +170,10 @@ class Trainer:
         """Every rank's random state goes into the checkpoint; rank 0 writes it (fsdp: every rank
         writes its shards), and every rank learns whether that worked before going on."""
         started = time.perf_counter()
+        if self.selection.pending_save:  # this step's evaluation is the best so far
+            self.selection.pending_save = False
+            if self.ckpt_dir is not None:
+                self.ckpt_dir.keep_step = self.step  # beside the newest, never pruned
         rng = gather_rng_states(self.device, self.comm_device)
         meta = {
             "epoch": self.epoch,
@@ -179,6 +187,7 @@ class Trainer:
             "optim": self.optim.state_dict(),
             "tracker_run_id": self.tracker_run_id,
             "config": self.cfg.to_dict(),
+            "selection": self.selection.state_dict(),
         }
         if self.dcp is not None:
             self.dcp.save(self.raw, self.optim.optimizer, rng, meta, self.step,
@@ -274,9 +283,12 @@ class Trainer:
                 self._after_first_step()
             if log:
                 self._log(epoch)
-            if self._done():  # --max-steps, or a stop agreed at the log step
+            every = self.cfg.eval_every_steps
+            if every and self.step % every == 0 and i + 1 < total:  # epochs end with one anyway
+                self._evaluate(epoch)
+            if self._done():  # --max-steps, a stop agreed at the log step, or an early stop
                 break
-            if save:
+            if save or self.selection.pending_save:
                 self._save_snapshot()
         self.book.end_epoch()
         if self.batch_in_epoch == total:
@@ -296,12 +308,34 @@ class Trainer:
         model = self.model if self.dcp is not None else self.raw  # fsdp needs its wrapper
         self.val_metrics = self.evaluator.run(model, self.optim.autocast)
         self.metrics.log({"step": self.step, "epoch": epoch, **self.val_metrics})
+        notes = self.selection.update(self.val_metrics, self.step)
         if self.world.is_main:
             shown = ", ".join(f"{k} {v:.5g}" for k, v in self.val_metrics.items())
             print(f"epoch {epoch} validation: {shown}", flush=True)
+            for note in notes:
+                print(note, flush=True)
+
+    def _evaluate_only(self) -> dict[str, Any]:
+        """--eval-only: the metrics of the resumed checkpoint, written to eval.json; no training,
+        no checkpoint, no summary."""
+        if not self.resumed_from:
+            raise SetupError(f"--eval-only needs a checkpoint, and there is none in "
+                             f"--checkpoint-dir {self.cfg.checkpoint_dir}; name one with --resume "
+                             "PATH", everywhere=True)
+        model = self.model if self.dcp is not None else self.raw
+        metrics = self.evaluator.run(model, self.optim.autocast)
+        result = {"checkpoint": self.resumed_from, "step": self.step, **metrics}
+        if self.world.is_main:
+            shown = ", ".join(f"{k} {v:.5g}" for k, v in metrics.items())
+            print(f"evaluation of {self.resumed_from} (step {self.step}): {shown}", flush=True)
+            out = Path(self.cfg.output_dir) / "eval.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2) + "\n")
+        return result
 
     def _done(self) -> bool:
         return (self.epoch >= self.cfg.epochs or self.stopped_by is not None
+                or self.selection.should_stop
                 or bool(self.cfg.max_steps and self.step >= self.cfg.max_steps))
 
     def _log(self, epoch: int) -> None:
@@ -340,6 +374,15 @@ class Trainer:
 
     def train(self) -> dict[str, Any]:
         """Train until --epochs (or --max-steps), saving as configured; returns the summary."""
+        wants = [flag for flag, on in (("--eval-only", self.cfg.eval_only),
+                                       ("--eval-every-steps", self.cfg.eval_every_steps),
+                                       ("--keep-best", self.cfg.keep_best),
+                                       ("--early-stop", self.cfg.early_stop)) if on]
+        if wants and self.evaluator is None:
+            raise SetupError(f"{wants[0]} needs a validation set, and task.build_datasets "
+                             "returned none (raise --val-fraction?)", everywhere=True)
+        if self.cfg.eval_only:
+            return self._evaluate_only()
         if self.resumed_from and self._done():  # every rank resumed the same checkpoint
             if self.world.is_main:
                 where = (f"step {self.step} of --max-steps {self.cfg.max_steps}"
@@ -363,7 +406,8 @@ class Trainer:
             while not self._done():
                 self._run_epoch(self.epoch)
                 at_epoch_end = self.batch_in_epoch == 0
-                if at_epoch_end and self.cfg.save_every and self.epoch % self.cfg.save_every == 0:
+                cadence = self.cfg.save_every and self.epoch % self.cfg.save_every == 0
+                if at_epoch_end and (cadence or self.selection.pending_save):
                     self._save_snapshot()
             self.lifeline.phase = "finishing"
             if self.step != self._saved_step:
@@ -437,4 +481,5 @@ class Trainer:
             "wall_time_s": round(wall, 3),
             "resumed_from": self.resumed_from,
             "checkpoint_dir": str(Path(self.cfg.checkpoint_dir)),
+            **self.selection.summary(),
         }

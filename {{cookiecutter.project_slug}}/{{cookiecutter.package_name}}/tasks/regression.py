@@ -11,7 +11,8 @@ The rest of the project relies on:
     loss_fn(model, batch) -> Tensor        the batch's mean loss; batch is already on the device
     eval_metrics(model, batch) -> dict     per-batch sums plus a 'count'; reported as val_<name>
 Optional: collate(samples) -> batch, blocks(model) -> the model's repeated blocks (used by
---model-layout model_parallel_2 and fsdp), finalize_metrics(averages) -> what to report.
+--model-layout model_parallel_2 and fsdp), finalize_metrics(averages) -> what to report,
+configure_optimizer(model, cfg) -> optimizer or (optimizer, scheduler) (default: AdamW).
 """
 
 from __future__ import annotations
