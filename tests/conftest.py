@@ -65,7 +65,7 @@ def expected_files(package: str, answers: dict) -> set[str]:
     files = {
         ".gitignore", "README.md", "pyproject.toml", "requirements.txt", "train.py",
         "configs/example.toml", "scripts/train_local.sh", "scripts/train_multinode.sh",
-        "scripts/plot_metrics.py", "docs/worked-example.md", "docs/launching.md",
+        "scripts/plot_metrics.py", "scripts/predict.py", "docs/worked-example.md", "docs/launching.md",
         "docs/recovery.md", "docs/performance.md", "docs/configuration.md",
     }
     files |= {f"tests/{name}.py" for name in (

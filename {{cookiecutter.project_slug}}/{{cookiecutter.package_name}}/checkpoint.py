@@ -276,16 +276,20 @@ class Staging:
 def export(source: Path, output: Path) -> None:
     """Any checkpoint (file or folder) as one file that loads with `weights_only=True`: `model`
     (the plain state_dict), plus epoch, step, world_size and config."""
+    model, meta = model_and_meta(source)
+    keep = ("epoch", "step", "world_size", "config")
+    write_file({"model": model, **{k: meta[k] for k in keep if k in meta}}, output)
+
+
+def model_and_meta(source: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The plain model state_dict of any checkpoint (file, folder or export) and its metadata."""
     if not is_complete(source):
         raise SetupError(f"{source} is not a complete checkpoint")
     if source.is_dir():
         from .sharded import load_full_model_state
-        model, meta = load_full_model_state(source), read_meta(source)
-    else:
-        state = load_checkpoint(source)
-        model, meta = state["model"], state
-    keep = ("epoch", "step", "world_size", "config")
-    write_file({"model": model, **{k: meta[k] for k in keep if k in meta}}, output)
+        return load_full_model_state(source), read_meta(source)
+    state = load_checkpoint(source)
+    return state["model"], state
 
 
 def main(argv: list[str] | None = None) -> int:

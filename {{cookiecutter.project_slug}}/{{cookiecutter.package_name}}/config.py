@@ -116,6 +116,16 @@ class Config:
         """Plain types only, so a checkpoint loads with `weights_only=True`."""
         return dataclasses.asdict(self)
 
+    @staticmethod
+    def from_dict(saved: dict[str, Any]) -> Config:
+        """The Config a checkpoint was saved with (what `to_dict` wrote); fields this version
+        does not know are left out, missing ones keep their defaults."""
+        names = {f.name for f in dataclasses.fields(Config)} - {"task"}
+        settings = task_settings() or NoSettings
+        task_names = {f.name for f in dataclasses.fields(settings)}
+        task = {k: v for k, v in saved.get("task", {}).items() if k in task_names}
+        return Config(**{k: v for k, v in saved.items() if k in names}, task=settings(**task))
+
     def profile_range(self) -> tuple[int, int] | None:
         if not self.profile_steps:
             return None

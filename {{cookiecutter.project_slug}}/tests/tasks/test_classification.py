@@ -6,9 +6,11 @@ with your own task, replace these with tests of yours; every other test keeps wo
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
-from conftest import ok, read_metrics, torchrun
+from conftest import PROJECT_ROOT, ok, read_metrics, run_cmd, torchrun
 from PIL import Image
 
 from {{ cookiecutter.package_name }} import task
@@ -53,6 +55,13 @@ def test_image_folder_is_decoded_one_image_at_a_time_by_worker_processes(workdir
     assert folder.classes == ["class0", "class1"] and label.item() == 1
     assert image.shape == (task.CHANNELS, task.IMAGE_SIZE, task.IMAGE_SIZE)
     assert image[2].mean() > image[0].mean()  # the blue class is blue after decoding
+    # scripts/predict.py on the trained model: one line per image, the class by its folder name.
+    newest = max((workdir / "checkpoints").glob("ckpt_step*.pt"))
+    result = ok(run_cmd([sys.executable, str(PROJECT_ROOT / "scripts/predict.py"), str(newest),
+                         "images/class0/001.jpg", "images/class1/002.png"], workdir))
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("images/class0/001.jpg: class0 (") and len(lines) == 2
+    assert lines[1].startswith("images/class1/002.png: class1 (")
 
 
 def test_a_folder_without_class_folders_is_one_error_line(workdir):

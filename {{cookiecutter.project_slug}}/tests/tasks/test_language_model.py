@@ -6,7 +6,9 @@ your own task, replace these with tests of yours; every other test keeps working
 
 from __future__ import annotations
 
-from conftest import ok, read_metrics, torchrun
+import sys
+
+from conftest import PROJECT_ROOT, ok, python_train, read_metrics, run_cmd, torchrun
 
 from {{ cookiecutter.package_name }} import task
 
@@ -38,3 +40,13 @@ def test_a_file_shorter_than_two_windows_is_one_error_line(workdir):
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert result.returncode != 0 and len(errors) == 1, result.stderr
     assert "this model needs at least 129" in errors[0]
+
+
+def test_predict_continues_each_prompt(workdir):
+    ok(python_train(["--epochs", "1", "--dataset-size", "64", "--hidden-size", "16"], workdir))
+    newest = max((workdir / "checkpoints").glob("ckpt_step*.pt"))
+    result = ok(run_cmd([sys.executable, str(PROJECT_ROOT / "scripts/predict.py"), str(newest),
+                         "the ", "data"], workdir))
+    # Each prompt, continued (a continuation may hold line breaks of its own).
+    assert result.stdout.startswith("the ") and "\ndata" in result.stdout
+    assert len(result.stdout) > len("the \ndata\n") + 40

@@ -6,8 +6,10 @@ own task, replace these with tests of yours; every other test of the project kee
 
 from __future__ import annotations
 
+import sys
+
 import torch
-from conftest import ok, read_metrics, torchrun
+from conftest import PROJECT_ROOT, ok, one_error, python_train, read_metrics, run_cmd, torchrun
 
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.config import parse_args
@@ -49,3 +51,13 @@ def test_csv_with_the_wrong_number_of_columns_is_one_error_line(workdir):
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert result.returncode != 0 and len(errors) == 1, result.stderr
     assert "line 1 has 7 columns; this model reads 20 features and a target" in errors[0]
+
+
+def test_predict_prints_one_estimate_per_row(workdir):
+    ok(python_train(["--epochs", "1", "--dataset-size", "64", "--hidden-size", "8"], workdir))
+    newest = max((workdir / "checkpoints").glob("ckpt_step*.pt"))
+    predict = [sys.executable, str(PROJECT_ROOT / "scripts/predict.py"), str(newest)]
+    row = ",".join(["0.5"] * task.IN_FEATURES)
+    result = ok(run_cmd([*predict, row, row.replace("0.5", "-1")], workdir))
+    assert [float(v) for v in result.stdout.split()] and len(result.stdout.split()) == 2
+    assert "comma-separated numbers" in one_error(run_cmd([*predict, "1,2"], workdir))

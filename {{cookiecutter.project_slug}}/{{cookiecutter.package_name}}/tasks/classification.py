@@ -14,7 +14,8 @@ The rest of the project relies on:
     eval_metrics(model, batch) -> dict     per-batch sums plus a 'count'; reported as val_<name>
 Optional: collate(samples) -> batch, blocks(model) -> the model's repeated blocks (used by
 --model-layout model_parallel_2 and fsdp), finalize_metrics(averages) -> what to report,
-configure_optimizer(model, cfg) -> optimizer or (optimizer, scheduler) (default: AdamW).
+configure_optimizer(model, cfg) -> optimizer or (optimizer, scheduler) (default: AdamW),
+predict(model, inputs, cfg) -> one line per input (scripts/predict.py).
 """
 
 from __future__ import annotations
@@ -117,12 +118,17 @@ class ImageFolder(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         path, label = self.files[index]
-        image = read_image(path).float().div(255).unsqueeze(0)
-        image = F.interpolate(image, size=IMAGE_SIZE, mode="bilinear", antialias=True,
-                              align_corners=False)[0]
+        image = model_input(read_image(path))
         if self.augment and torch.rand(()) < 0.5:
             image = image.flip(-1)
-        return (image - 0.5) / 0.25, torch.tensor(label)
+        return image, torch.tensor(label)
+
+
+def model_input(image: torch.Tensor) -> torch.Tensor:
+    """A decoded uint8 image as the model sees it: IMAGE_SIZE square, normalized."""
+    image = F.interpolate(image.float().div(255).unsqueeze(0), size=IMAGE_SIZE, mode="bilinear",
+                          antialias=True, align_corners=False)[0]
+    return (image - 0.5) / 0.25
 
 
 def decodes(path: Path) -> bool:
@@ -208,3 +214,13 @@ def eval_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> 
     return {"loss": F.cross_entropy(logits, labels, reduction="sum"),
             "accuracy": (logits.argmax(dim=1) == labels).sum(),
             "count": labels.numel()}
+
+
+def predict(model: nn.Module, inputs: list[str], cfg: Config) -> list[str]:
+    """Image files -> the most likely class of each (scripts/predict.py)."""
+    names = class_names(cfg.data) if cfg.data and Path(cfg.data).is_dir() else None
+    images = torch.stack([model_input(read_image(Path(path))) for path in inputs])
+    probabilities = model(images).float().softmax(-1)
+    best, labels = probabilities.max(-1)
+    return [f"{path}: {names[k] if names else f'class {k}'} ({p:.2f})"
+            for path, k, p in zip(inputs, labels.tolist(), best.tolist(), strict=True)]

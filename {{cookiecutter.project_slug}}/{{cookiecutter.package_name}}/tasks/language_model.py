@@ -13,7 +13,8 @@ The rest of the project relies on:
     eval_metrics(model, batch) -> dict     per-batch sums plus a 'count'; reported as val_<name>
 Optional: collate(samples) -> batch, blocks(model) -> the model's repeated blocks (used by
 --model-layout model_parallel_2 and fsdp), finalize_metrics(averages) -> what to report,
-configure_optimizer(model, cfg) -> optimizer or (optimizer, scheduler) (default: AdamW).
+configure_optimizer(model, cfg) -> optimizer or (optimizer, scheduler) (default: AdamW),
+predict(model, inputs, cfg) -> one line per input (scripts/predict.py).
 """
 
 from __future__ import annotations
@@ -166,3 +167,16 @@ def eval_metrics(model: nn.Module, windows: torch.Tensor) -> dict:
 def finalize_metrics(averages: dict[str, float]) -> dict[str, float]:
     """Perplexity is exp(mean loss per token), not a sum over samples: derived here."""
     return {**averages, "perplexity": math.exp(min(averages["loss"], 50.0))}
+
+
+def predict(model: nn.Module, inputs: list[str], cfg: Config, new_bytes: int = 40) -> list[str]:
+    """Prompts -> each continued by `new_bytes` bytes, the most likely one at a time
+    (scripts/predict.py)."""
+    lines = []
+    for prompt in inputs:
+        tokens = torch.tensor([list(prompt.encode()) or [10]], dtype=torch.long)  # '' -> '\n'
+        for _ in range(new_bytes):
+            logits = model(tokens[:, -SEQ_LEN:])[:, -1]
+            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+        lines.append(bytes(tokens[0].tolist()).decode(errors="replace"))
+    return lines

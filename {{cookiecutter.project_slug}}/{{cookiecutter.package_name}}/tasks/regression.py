@@ -12,7 +12,8 @@ The rest of the project relies on:
     eval_metrics(model, batch) -> dict     per-batch sums plus a 'count'; reported as val_<name>
 Optional: collate(samples) -> batch, blocks(model) -> the model's repeated blocks (used by
 --model-layout model_parallel_2 and fsdp), finalize_metrics(averages) -> what to report,
-configure_optimizer(model, cfg) -> optimizer or (optimizer, scheduler) (default: AdamW).
+configure_optimizer(model, cfg) -> optimizer or (optimizer, scheduler) (default: AdamW),
+predict(model, inputs, cfg) -> one line per input (scripts/predict.py).
 """
 
 from __future__ import annotations
@@ -142,3 +143,15 @@ def eval_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> 
     x, y = batch
     error = model(x).double() - y.double()
     return {"loss": error.square().sum(), "mae": error.abs().sum(), "count": y.numel()}
+
+
+def predict(model: nn.Module, inputs: list[str], cfg: Config) -> list[str]:
+    """Rows of IN_FEATURES comma-separated numbers -> the model's estimate (scripts/predict.py)."""
+    try:
+        rows = torch.tensor([[float(v) for v in row.split(",")] for row in inputs])
+    except ValueError as exc:
+        raise SetupError(f"each input is {IN_FEATURES} comma-separated numbers ({exc})") from None
+    if rows.shape[1] != IN_FEATURES:
+        raise SetupError(f"each input is {IN_FEATURES} comma-separated numbers, got "
+                         f"{rows.shape[1]}")
+    return [f"{value:.6g}" for value in model(rows).float().flatten().tolist()]

@@ -1,0 +1,47 @@
+"""Predict with a trained model: python scripts/predict.py CHECKPOINT INPUT [INPUT ...]
+
+CHECKPOINT: a checkpoint file or folder, or an export (`python -m
+{{ cookiecutter.package_name }}.checkpoint export`). The model is built by task.py with the settings
+saved in it, and its weights load with weights_only=True (tensors, never code). task.predict turns
+the inputs (image files, numbers, a prompt: whatever the task reads) into one line of output each.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project, installed or not
+
+from {{ cookiecutter.package_name }} import task  # noqa: E402
+from {{ cookiecutter.package_name }}.checkpoint import model_and_meta  # noqa: E402
+from {{ cookiecutter.package_name }}.config import Config  # noqa: E402
+from {{ cookiecutter.package_name }}.failures import SetupError  # noqa: E402
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print(__doc__.strip().splitlines()[0], file=sys.stderr)
+        return 2
+    try:
+        if not hasattr(task, "predict"):
+            raise SetupError("task.py has no predict(model, inputs, cfg); add one (see the "
+                             "example tasks)")
+        state, meta = model_and_meta(Path(argv[0]))
+        cfg = Config.from_dict(meta.get("config", {}))
+        model = task.build_model(cfg)
+        model.load_state_dict(state)
+        model.eval()
+        with torch.no_grad():
+            for line in task.predict(model, argv[1:], cfg):
+                print(line)
+    except SetupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
