@@ -33,7 +33,7 @@ def unreadable(path: Path) -> str | None:
         return "a folder without a checkpoint's .metadata and meta.json"
     if not is_complete(path):
         return "empty: its save did not finish"
-    if not zipfile.is_zipfile(path):
+    if path.is_file() and not zipfile.is_zipfile(path):
         return "not a checkpoint file: torch.save writes a zip archive; or one cut short"
     try:
         read_meta(path)
