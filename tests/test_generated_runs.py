@@ -183,6 +183,69 @@ def test_readme_image_folder_of_jpeg_and_png_trains_with_no_extra_step(default_p
     assert '"epochs_completed": 3' in summary and '"val_accuracy"' in summary
 
 
+# The smallest task.py within the contract: no settings, no blocks(), no validation set, and no
+# data without --data. Its own test (what a user writes in tests/test_task.py) trains it.
+MINIMAL_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from .failures import SetupError
+
+
+def build_datasets(cfg):
+    if cfg.data is None:
+        raise SetupError("this task reads a CSV file of x1,x2,x3,x4,y rows: pass --data FILE")
+    rows = [[float(v) for v in line.split(",")] for line in open(cfg.data) if line.strip()]
+    table = torch.tensor(rows)
+    return TensorDataset(table[:, :4], table[:, 4:]), None
+
+
+def build_model(cfg):
+    return nn.Linear(4, 1)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def eval_metrics(model, batch):
+    x, y = batch
+    return {"mse": nn.functional.mse_loss(model(x), y, reduction="sum"),
+            "count": torch.tensor(len(y))}
+"""
+
+MINIMAL_TASK_TEST = """
+from conftest import ok, summary, torchrun
+
+
+def test_the_task_trains_on_a_csv_file(tmp_path):
+    rows = [f"{i % 7},{i % 5},{i % 3},{i % 2},{i % 7 + 2 * (i % 2)}" for i in range(96)]
+    (tmp_path / "rows.csv").write_text("\\n".join(rows))
+    ok(torchrun(["--data", "rows.csv", "--epochs", "2", "--batch-size", "8"], tmp_path))
+    assert summary(tmp_path / "runs/latest")["epochs_completed"] == 2
+"""
+
+
+def test_the_generated_suite_holds_for_a_minimal_task(tmp_path, torch_venv, quickstart_done):
+    """A user's task without the example's settings, data or blocks(): the generated suite passes,
+    the tests that train the example skip and say why, and the user's own task test runs."""
+    project = bake_to(tmp_path)
+    (project / "ddp_project/task.py").write_text(MINIMAL_TASK)
+    (project / "tests/test_task.py").write_text(MINIMAL_TASK_TEST)
+    torch_venv.pip("-e", str(project), cwd=project)
+    result = torch_venv.run([torch_venv.python, "-m", "pytest", "-q", "--full", "-p",
+                             "no:cacheprovider", "-rsp"], project, timeout=1200)
+    check_ok(result)
+    assert "PASSED tests/test_task.py::test_the_task_trains_on_a_csv_file" in result.stdout
+    skips = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
+    because = ("uses the example task; task.py declares no --dataset-size or --hidden-size",
+               "at task.blocks(model), which task.py does not define")
+    assert any(because[0] in line for line in skips), skips
+    assert all(any(reason in line for reason in (*because, *ALLOWED_SKIPS)) for line in skips), skips
+
+
 TRACKERS = [("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow")]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -162,8 +164,46 @@ needs_numpy = pytest.mark.skipif(importlib.util.find_spec("numpy") is None,
                                  reason="--model-layout fsdp needs numpy: pip install numpy")
 
 
+# The tests that train run the example task: its built-in data, made small with --dataset-size and
+# --hidden-size. With a task.py of your own they skip and say why; your task's own tests go in
+# tests/test_task.py (the example's shows how), the project's own guarantees stay tested by
+# test_custom_task.py, which trains a task of its own.
+EXAMPLE_SETTINGS = ("dataset_size", "hidden_size")
+
+
+@functools.cache
+def why_not_the_example_task() -> str | None:
+    """Why the training tests cannot run with this task.py (None when they can)."""
+    from {{ cookiecutter.package_name }} import task
+    from {{ cookiecutter.package_name }}.config import parse_args, task_settings
+
+    settings = task_settings()
+    declared = {f.name for f in dataclasses.fields(settings)} if settings else set()
+    missing = [f"--{name.replace('_', '-')}" for name in EXAMPLE_SETTINGS if name not in declared]
+    if missing:
+        return f"task.py declares no {' or '.join(missing)}"
+    try:
+        task.build_datasets(parse_args(["--dataset-size", "64"]))
+    except (Exception, SystemExit) as exc:
+        return f"task.py has no data without --data ({type(exc).__name__}: {exc})".splitlines()[0]
+    return None
+
+
+def skip_unless_example_task() -> None:
+    why = why_not_the_example_task()
+    if why:
+        pytest.skip(f"uses the example task; {why}")
+
+
 @pytest.fixture
-def workdir(tmp_path: Path) -> Path:
+def example_task() -> None:
+    """For a test that uses the example task's settings or data (skips with your own task.py)."""
+    skip_unless_example_task()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, example_task: None) -> Path:
+    """A folder to train the example task in (skips with your own task.py: see above)."""
     return tmp_path
 
 

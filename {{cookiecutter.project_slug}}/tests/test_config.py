@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,7 @@ from conftest import PROJECT_ROOT, ok, python_train, summary
 from {{ cookiecutter.package_name }}.config import build_parser, parse_args, task_settings
 
 DOCUMENTED_FLAGS = [
-    "--epochs", "--batch-size", "--lr", "--seed", "--dataset-size", "--data", "--num-workers",
+    "--epochs", "--batch-size", "--lr", "--seed", "--data", "--num-workers",
     "--backend", "--init-method", "--timeout-s", "--checkpoint-dir", "--save-every",
     "--save-every-steps", "--keep-last", "--resume", "--precision", "--grad-accum", "--clip-grad",
     "--max-steps", "--log-every", "--output-dir", "--nprocs", "--no-progress", "--compile",
@@ -21,9 +22,12 @@ DOCUMENTED_FLAGS = [
 
 
 def test_help_documents_every_flag():
-    """The project's flags, and (for the example tasks) --dataset-size from task.py's Settings."""
-    text = build_parser(task_settings()).format_help()
-    assert [flag for flag in DOCUMENTED_FLAGS if flag not in text] == []
+    """The project's flags, and each setting of task.py's Settings."""
+    settings = task_settings()
+    fields = dataclasses.fields(settings) if settings else ()
+    own = [f"--{f.name.replace('_', '-')}" for f in fields]
+    text = build_parser(settings).format_help()
+    assert [flag for flag in [*DOCUMENTED_FLAGS, *own] if flag not in text] == []
 
 
 def test_both_local_rank_spellings():
@@ -100,7 +104,8 @@ def test_plain_python_is_a_world_of_one(workdir):
     assert done["world_size"] == 1 and done["launcher"] == "none" and done["steps"] == 8
 
 
-def test_a_setting_that_does_nothing_with_another_flag_is_a_warning(tmp_path, capsys):
+def test_a_setting_that_does_nothing_with_another_flag_is_a_warning(tmp_path, capsys,
+                                                                   example_task):
     data = tmp_path / "data"
     data.mkdir()
     parse_args(["--data", str(data), "--dataset-size", "10"])

@@ -239,7 +239,7 @@ def test_windows_branches(tmp_path: Path):
                               platform="win32").kind == "tcp"
 
 
-def test_windows_path_trains_with_platform_patched(monkeypatch, tmp_path: Path):
+def test_windows_path_trains_with_platform_patched(monkeypatch, tmp_path: Path, example_task):
     import torch._dynamo  # noqa: F401  (DDP imports it lazily; it reads sysconfig, which a
     # patched platform breaks)
 

@@ -46,7 +46,8 @@ def test_grad_accumulation_equals_one_larger_batch(workdir):
         torch.testing.assert_close(accumulated[key], big[key], rtol=1e-4, atol=1e-5)
 
 
-def test_grad_accumulation_exchanges_gradients_once_per_group(tmp_path, monkeypatch):
+def test_grad_accumulation_exchanges_gradients_once_per_group(tmp_path, monkeypatch,
+                                                             example_task):
     """Counts DDP's gradient exchanges through a comm hook, in this process (world size 1)."""
     import {{ cookiecutter.package_name }}.train as entry
 

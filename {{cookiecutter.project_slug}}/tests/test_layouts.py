@@ -37,6 +37,8 @@ from {{ cookiecutter.package_name }}.parallel import model_blocks, split_over_tw
 pytestmark = pytest.mark.full  # the slow tier: pytest --full
 
 QUICK = ["--dataset-size", "256", "--batch-size", "16", "--hidden-size", "16"]  # 8 steps an epoch
+needs_blocks = pytest.mark.skipif(not hasattr(task, "blocks"), reason="model_parallel_2 splits "
+                                  "the model at task.blocks(model), which task.py does not define")
 
 
 def first_batch(size: int):
@@ -46,7 +48,8 @@ def first_batch(size: int):
         (0, torch.arange(size)))
 
 
-def test_split_model_computes_what_the_single_device_model_computes():
+@needs_blocks
+def test_split_model_computes_what_the_single_device_model_computes(example_task):
     torch.manual_seed(0)
     cfg = parse_args(["--hidden-size", "16", "--num-layers", "3"])
     single = task.build_model(cfg).eval()
@@ -59,6 +62,7 @@ def test_split_model_computes_what_the_single_device_model_computes():
         assert torch.equal(task.loss_fn(split.eval(), batch), task.loss_fn(single, batch))
 
 
+@needs_blocks
 def test_model_parallel_layout_trains_and_resumes_as_data_parallel(workdir):
     ok(torchrun([*QUICK, "--epochs", "1", "--model-layout", "model_parallel_2"], workdir))
     assert summary(workdir / "runs/latest")["steps"] == 8

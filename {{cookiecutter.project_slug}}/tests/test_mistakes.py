@@ -25,6 +25,7 @@ from conftest import (
     one_error,
     python_train,
     read_metrics,
+    skip_unless_example_task,
     summary,
     torchrun,
     torchrun_cmd,
@@ -107,9 +108,10 @@ CASES = {
     "checkpoint-dir-under-a-file-2-ranks": Case(["--checkpoint-dir", "afile/ck"],
                                                 "cannot write there", launcher="torchrun",
                                                 prepare="afile"),
-    "output-dir-under-a-file": Case(["--output-dir", "afile/runs"],
+    # (--epochs 3: the finished run goes on, so it has something to write)
+    "output-dir-under-a-file": Case(["--output-dir", "afile/runs", "--epochs", "3"],
                                     "--output-dir afile/runs: cannot write there", prepare="afile"),
-    "step-times-under-a-file": Case(["--step-times", "afile/steps.json"],
+    "step-times-under-a-file": Case(["--step-times", "afile/steps.json", "--epochs", "3"],
                                     "--step-times afile/steps.json: cannot write it",
                                     prepare="afile"),
     "resume-garbage": Case(["--resume", "garbage.pt"], "--resume garbage.pt: cannot load it (not "
@@ -173,6 +175,7 @@ sys.exit(entry.main(sys.argv[1:]))
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
     """A folder with the checkpoints of a run that finished, for each case to start from."""
+    skip_unless_example_task()
     folder = tmp_path_factory.mktemp("finished")
     ok(python_train(BASE[1:] + ["--epochs", "2"], folder))
     return folder
@@ -225,6 +228,8 @@ def test_mistake(name, finished_run, tmp_path, monkeypatch, capsys):
                             timeout=120)
     line = one_error(result)  # exactly one error line, no traceback through the project
     assert case.says in line, line
+    if case.launcher == "torchrun":  # torchrun's closing box, the last thing printed, repeats it
+        assert line.split("error: ", 1)[1] in result.stderr.split("Root Cause", 1)[1]
     if case.launcher == "python":
         assert result.returncode == case.code
         assert "Traceback" not in result.stderr, result.stderr

@@ -20,6 +20,7 @@ from conftest import (
     final_model,
     ok,
     path_with,
+    skip_unless_example_task,
     summary,
     torchrun,
 )
@@ -80,6 +81,7 @@ def errors(output: str) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     """The final model of the same job on one machine: 2 processes over loopback."""
+    skip_unless_example_task()
     ref = {}
     for name, args in (("small", SMALL), ("long", LONG)):
         folder = tmp_path_factory.mktemp(name)

@@ -22,6 +22,7 @@ from conftest import (
     ok,
     python_train,
     run_cmd,
+    skip_unless_example_task,
     summary,
     torchrun,
     torchrun_cmd,
@@ -75,6 +76,7 @@ def newest_step(directory: Path) -> int:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     """Final parameters of a run that was never interrupted."""
+    skip_unless_example_task()
     workdir = tmp_path_factory.mktemp("reference")
     ok(torchrun(FLAGS[1:], workdir))
     return final_model(workdir / "checkpoints")

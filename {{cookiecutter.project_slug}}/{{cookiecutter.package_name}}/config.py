@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .evaluation import parse_goal
-from .failures import QUIET_EXIT_DELAY_S, local_rank_from_env
+from .failures import QUIET_EXIT_DELAY_S, leave_for_torchrun, local_rank_from_env
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -212,6 +212,7 @@ class Parser(argparse.ArgumentParser):
         self.fail(f"{message} (python train.py --help lists the flags)")
 
     def fail(self, message: str) -> NoReturn:
+        leave_for_torchrun(message)
         if local_rank_from_env() == 0:
             sys.stderr.write(f"error: {message}\n")
         else:  # the rank that prints may be a moment behind: a launcher stops it when we exit

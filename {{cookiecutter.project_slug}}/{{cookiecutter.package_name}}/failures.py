@@ -13,6 +13,7 @@ exits 1. Three rules keep the output of a many-rank job readable:
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -85,6 +86,7 @@ QUIET_EXIT_DELAY_S = 1.0
 
 def report_error(exc: SetupError, local_rank: int | None = None) -> None:
     local_rank = local_rank_from_env() if local_rank is None else local_rank
+    leave_for_torchrun(str(exc))
     if exc.quiet or (exc.everywhere and local_rank != 0):
         # The rank that prints may be a moment behind: if this one exited first, torchrun would
         # stop that rank before its line is out (a failed job that says nothing).
@@ -92,6 +94,22 @@ def report_error(exc: SetupError, local_rank: int | None = None) -> None:
         return
     sys.stderr.write(f"error: {exc}\n")  # one write: lines of several ranks do not interleave
     sys.stderr.flush()
+
+
+def leave_for_torchrun(line: str) -> None:
+    """torchrun ends a failed job with its own traceback and a box naming the first rank that
+    failed; the file it gives each worker puts this line in that box, the last thing printed,
+    instead of a link to its documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    if not path or os.path.exists(path):
+        return
+    now = str(int(time.time()))
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                 "timestamp": now}}}, handle)
+    except OSError:
+        pass  # the box then shows torch's link; the line itself is already printed
 
 
 # What gloo and NCCL say when a peer died, stalled past --timeout-s, or dropped its connection.
