@@ -42,7 +42,7 @@ def free_port() -> int:
 
 CONF = """\
 ClusterName=tests
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={host}({controller})
 SlurmctldPort={ctld_port}
 SlurmdPort={d_port}
 SlurmUser=root
@@ -51,11 +51,11 @@ AuthType=auth/munge
 AuthInfo=socket={folder}/munge.socket
 CredType=cred/munge
 StateSaveLocation={folder}/state
-SlurmdSpoolDir={folder}/spool
+SlurmdSpoolDir={folder}/spool/%n
 SlurmctldPidFile={folder}/slurmctld.pid
-SlurmdPidFile={folder}/slurmd.pid
+SlurmdPidFile={folder}/slurmd-%n.pid
 SlurmctldLogFile={folder}/slurmctld.log
-SlurmdLogFile={folder}/slurmd.log
+SlurmdLogFile={folder}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SchedulerType=sched/backfill
@@ -67,16 +67,25 @@ MpiDefault=none
 ReturnToService=2
 KillWait=30
 MinJobAge=600
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
-PartitionName=tests Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """
+NODE = "NodeName={name} NodeAddr={address} NodeHostname={name} CPUs={cpus} State=UNKNOWN\n"
+PARTITION = "PartitionName=tests Nodes={names} Default=YES MaxTime=INFINITE State=UP\n"
 
 
 class SlurmCluster:
+    """One node: this machine under its own host name."""
+
+    controller = "127.0.0.1"
+
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.conf = folder / "slurm.conf"
         self.host = socket.gethostname().split(".")[0]
+        self.nodes = {self.host: "127.0.0.1"}  # name -> address
+
+    def start_node(self, name: str) -> None:
+        result = self._run("slurmd", "-f", str(self.conf), "-N", name)
+        assert result.returncode == 0, f"slurmd: {result.stderr}"
 
     @property
     def env(self) -> dict[str, str]:
@@ -89,6 +98,8 @@ class SlurmCluster:
     def start(self) -> None:
         for sub in ("state", "spool"):
             (self.folder / sub).mkdir(parents=True, exist_ok=True)
+        for name in self.nodes:
+            (self.folder / "spool" / name).mkdir(exist_ok=True)
         self.folder.chmod(0o755)  # munged refuses a socket folder others may write to
         key = self.folder / "munge.key"
         key.write_bytes(os.urandom(1024))
@@ -98,21 +109,25 @@ class SlurmCluster:
                         f"--log-file={f}/munged.log", f"--pid-file={f}/munged.pid",
                         f"--seed-file={f}/munged.seed"], check=True, timeout=30)
         cpus = os.sysconf("SC_NPROCESSORS_ONLN")
-        self.conf.write_text(CONF.format(host=self.host, folder=f, cpus=cpus,
-                                         ctld_port=free_port(), d_port=free_port()))
-        for daemon in (["slurmctld", "-f", str(self.conf)],
-                       ["slurmd", "-f", str(self.conf), "-N", self.host]):
-            result = self._run(*daemon)
-            assert result.returncode == 0, f"{daemon[0]}: {result.stderr}"
+        self.conf.write_text(
+            CONF.format(host=self.host, controller=self.controller, folder=f,
+                        ctld_port=free_port(), d_port=free_port())
+            + "".join(NODE.format(name=n, address=a, cpus=cpus) for n, a in self.nodes.items())
+            + PARTITION.format(names=",".join(self.nodes)))
+        result = self._run("slurmctld", "-f", str(self.conf))
+        assert result.returncode == 0, f"slurmctld: {result.stderr}"
+        for name in self.nodes:
+            self.start_node(name)
         deadline = time.monotonic() + 60
-        while self._run("sinfo", "-h", "-o", "%T").stdout.strip() != "idle":
+        while set(self._run("sinfo", "-h", "-N", "-o", "%T").stdout.split()) != {"idle"}:
             assert time.monotonic() < deadline, self.logs()
             time.sleep(0.5)
 
     def stop(self) -> None:
         self._run("scancel", "--full", "--user=root")
         self._run("scontrol", "shutdown")
-        for pid_file in ("slurmd.pid", "slurmctld.pid", "munged.pid"):
+        pid_files = [f"slurmd-{name}.pid" for name in self.nodes]
+        for pid_file in (*pid_files, "slurmctld.pid", "munged.pid"):
             try:
                 os.kill(int((self.folder / pid_file).read_text()), signal.SIGTERM)
             except (OSError, ValueError):
@@ -154,3 +169,79 @@ class SlurmCluster:
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
         return subprocess.run(["srun", *cmd], cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=timeout)
+
+
+SUBNET = "192.168.78"  # the two nodes' LAN, on a bridge of this machine (.1: the controller)
+
+
+def _ip(*args: str) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, f"ip {' '.join(args)}: {result.stderr}"
+
+
+def why_not_two_nodes() -> str | None:
+    """Why two nodes in network namespaces cannot be made here, or None."""
+    missing = [name for name in ("ip", "nsenter", "unshare") if shutil.which(name) is None]
+    if missing:
+        return f"two nodes need {', '.join(missing)} (apt-get install iproute2 util-linux)"
+    return why_not()
+
+
+class TwoNodeCluster(SlurmCluster):
+    """Two nodes, `nodea` and `nodeb`, each a network namespace with its own address, host name
+    and /etc/hosts, joined by a bridge on which this machine runs the controller. The nodes share
+    the file system, as cluster nodes share storage.
+
+    Each slurmd runs in its node's network namespace and in a mount and UTS namespace of its own
+    (`unshare`), where its /etc/hosts and host name are bound; every job step inherits them.
+    (`ip netns exec` would also remount /sys, which slurmd does not survive.)"""
+
+    controller = f"{SUBNET}.1"
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder)
+        self.tag = os.urandom(3).hex()
+        self.bridge = f"ddpsl{self.tag}"
+        self.nodes = {"nodea": f"{SUBNET}.2", "nodeb": f"{SUBNET}.3"}
+
+    def namespace(self, name: str) -> str:
+        return f"{name}{self.tag}"
+
+    def start(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.controller}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        hosts = "127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for n, a in self.nodes.items())
+        for i, (name, address) in enumerate(self.nodes.items()):
+            ns, port = self.namespace(name), f"{self.bridge}p{i}"
+            _ip("netns", "add", ns)
+            _ip("link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", port, "master", self.bridge)
+            _ip("link", "set", port, "up")
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            (self.folder / f"hosts-{name}").write_text(hosts)
+        super().start()
+
+    def start_node(self, name: str) -> None:
+        inside = (f"mount --bind {self.folder}/hosts-{name} /etc/hosts && hostname {name} && "
+                  f"exec slurmd -f {self.conf} -N {name}")
+        result = self._run("nsenter", f"--net=/run/netns/{self.namespace(name)}", "unshare",
+                           "--mount", "--uts", "--propagation", "private", "sh", "-c", inside)
+        assert result.returncode == 0, f"slurmd on {name}: {result.stderr}"
+
+    def stop(self) -> None:
+        super().stop()
+        time.sleep(1)
+        for name in self.nodes:
+            ns = self.namespace(name)
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                  text=True).stdout.split()
+            for pid in pids:  # whatever a job left behind
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except OSError:
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import PYTHON, ROOT
 from cookiecutter.main import cookiecutter
-from slurm import SlurmCluster, why_not
+from slurm import SUBNET, SlurmCluster, TwoNodeCluster, why_not, why_not_two_nodes
 
 WHY_NOT = why_not()
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
@@ -135,6 +135,36 @@ def test_torchrun_pattern_trains_to_the_same_weights(cluster, uninterrupted, tmp
     out = output(project, job)
     assert info["JobState"] == "COMPLETED", out
     assert '"launcher": "torchrun"' in (project / "runs/latest/summary.json").read_text()
+    assert_same(final_weights(project), final_weights(uninterrupted))
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    why = why_not_two_nodes()
+    if why:
+        pytest.skip(why)
+    cluster = TwoNodeCluster(tmp_path_factory.mktemp("slurm-two-nodes"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_torchrun_pattern_on_two_nodes_trains_to_the_same_weights(two_nodes, uninterrupted,
+                                                                   tmp_path):
+    """One torchrun per node; the two processes talk over the nodes' own LAN (no network
+    variables set), and end with the one-node run's weights."""
+    project = bake(tmp_path)
+    resources = ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=2"]
+    job = two_nodes.sbatch([*resources, "scripts/slurm/torchrun.sbatch", *TRAIN], project,
+                           GPUS_PER_NODE="1")
+    info = two_nodes.wait(job, "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+    out = output(project, job)
+    assert info["JobState"] == "COMPLETED", f"{out}\n{two_nodes.logs()}"
+    assert info["NodeList"] == "node[a-b]" and f"{SUBNET}." in out, out
+    summary = (project / "runs/latest/summary.json").read_text()
+    assert '"launcher": "torchrun"' in summary and '"world_size": 2' in summary
     assert_same(final_weights(project), final_weights(uninterrupted))
 
 

@@ -137,6 +137,7 @@ import {{ cookiecutter.package_name }}.task as task
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.data import BatchFetcher
 from {{ cookiecutter.package_name }}.parallel import parallelize
+from {{ cookiecutter.package_name }}.workarounds import exit_process
 
 def local(t):
     return t.to_local() if hasattr(t, "to_local") else t
@@ -158,6 +159,7 @@ total += sum(local(v).numel() * v.element_size() for s in optimizer.state.values
 if dist.get_rank() == 0:
     print("bytes", total, flush=True)
 dist.destroy_process_group()
+exit_process(0)  # not the interpreter's own exit, which can abort (see workarounds.py)
 """
 
 
