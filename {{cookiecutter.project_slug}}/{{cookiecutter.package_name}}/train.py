@@ -83,7 +83,8 @@ def build_data(cfg: Config, world: World, device: torch.device,
                                          cfg.batch_size, cfg.seed)
         val_loader = build_loader(val_set, val_batches, collate, cfg.num_workers, pin_memory)
         evaluator = Evaluator(task, val_loader, val_batches, device, comm_device)
-    return Data(batches, loader, evaluator)
+    # A training set may carry a `summary` dict (e.g. files it left out): it goes in summary.json.
+    return Data(batches, loader, evaluator, dict(getattr(train_set, "summary", {})))
 
 
 def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device],

@@ -13,7 +13,7 @@ import math
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ class Data:
     batches: ShardedBatchSampler
     loader: Any
     evaluator: Evaluator | None
+    notes: dict[str, Any] = field(default_factory=dict)  # the training set's `summary`, if any
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Trainer:
                  optim: Optimization, data: Data, runtime: Runtime) -> None:
         self.cfg, self.world, self.task, self.model, self.optim = cfg, world, task, model, optim
         self.batches, self.loader, self.evaluator = data.batches, data.loader, data.evaluator
+        self.data_notes = data.notes
         self.device, self.backend = runtime.device, runtime.backend
         self.lifeline, self.started_at = runtime.lifeline, runtime.started_at
         device, backend = runtime.device, runtime.backend
@@ -482,4 +484,5 @@ class Trainer:
             "resumed_from": self.resumed_from,
             "checkpoint_dir": str(Path(self.cfg.checkpoint_dir)),
             **self.selection.summary(),
+            **self.data_notes,
         }

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import PROJECT_ROOT, ok, read_metrics, run_cmd, torchrun
+from conftest import PROJECT_ROOT, ok, read_metrics, run_cmd, summary, torchrun
 from PIL import Image
 
 from {{ cookiecutter.package_name }} import task
@@ -56,7 +56,7 @@ def test_image_folder_is_decoded_one_image_at_a_time_by_worker_processes(workdir
     assert image.shape == (task.CHANNELS, task.IMAGE_SIZE, task.IMAGE_SIZE)
     assert image[2].mean() > image[0].mean()  # the blue class is blue after decoding
     # scripts/predict.py on the trained model: one line per image, the class by its folder name.
-    newest = max((workdir / "checkpoints").glob("ckpt_step*.pt"))
+    newest = max((workdir / "checkpoints").glob("ckpt_step*"))  # a file, or a folder (fsdp)
     result = ok(run_cmd([sys.executable, str(PROJECT_ROOT / "scripts/predict.py"), str(newest),
                          "images/class0/001.jpg", "images/class1/002.png"], workdir))
     lines = result.stdout.splitlines()
@@ -123,3 +123,4 @@ def test_a_bad_image_ends_the_run_with_its_name_or_is_skipped_on_request(workdir
     assert errors and all("broken.jpg" in line for line in errors), result.stderr
     result = ok(torchrun([*flags, "--skip-bad-images", "--resume", "never"], workdir))
     assert "--skip-bad-images: left out 1 file(s) that cannot be decoded" in result.stderr
+    assert summary(workdir / "runs/latest")["skipped_images"] == 1

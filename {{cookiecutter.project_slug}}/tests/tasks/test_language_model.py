@@ -44,7 +44,7 @@ def test_a_file_shorter_than_two_windows_is_one_error_line(workdir):
 
 def test_predict_continues_each_prompt(workdir):
     ok(python_train(["--epochs", "1", "--dataset-size", "64", "--hidden-size", "16"], workdir))
-    newest = max((workdir / "checkpoints").glob("ckpt_step*.pt"))
+    newest = max((workdir / "checkpoints").glob("ckpt_step*"))  # a file, or a folder (fsdp)
     result = ok(run_cmd([sys.executable, str(PROJECT_ROOT / "scripts/predict.py"), str(newest),
                          "the ", "data"], workdir))
     # Each prompt, continued (a continuation may hold line breaks of its own).

@@ -105,8 +105,10 @@ class ImageFolder(Dataset):
                 raise SetupError(f"--data {root}: class {name!r} has no images; {why}",
                                  everywhere=True)
             self.files += [(path, label) for path in files]
+        self.skipped = 0
         if skip_bad:
             bad = {path for path, _ in self.files if not decodes(path)}
+            self.skipped = len(bad)
             if bad and local_rank_from_env() == 0:
                 print(f"warning: --skip-bad-images: left out {len(bad)} file(s) that cannot be "
                       f"decoded, e.g. {min(bad)}", file=sys.stderr, flush=True)
@@ -157,8 +159,10 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
         val_files.files = train_files.files  # the same files, checked once
         n_val = int(len(train_files) * cfg.val_fraction)
         train, val = split_for_validation(len(train_files), n_val, cfg.seed)
-        return Subset(train_files, train.tolist()), Subset(val_files, val.tolist()) if n_val \
-            else None
+        train_set = Subset(train_files, train.tolist())
+        if cfg.task.skip_bad_images:
+            train_set.summary = {"skipped_images": train_files.skipped}  # into summary.json
+        return train_set, Subset(val_files, val.tolist()) if n_val else None
     n_val = int(cfg.task.dataset_size * cfg.val_fraction)
     data = synthetic_images(cfg.task.dataset_size + n_val, cfg.seed)
     train, val = split_for_validation(len(data), n_val, cfg.seed)
