@@ -73,6 +73,11 @@ def test_the_answers_are_the_projects_defaults(bake, answers):
                              ("mlflow", "mlflow-skinny")):
         assert (package in dependencies) == (answers["tracker"] == tracker), tracker
     assert ("numpy" in dependencies) == (answers["model_layout"] == "fsdp")
+    # requirements.txt (what the Dockerfile installs before the project itself) lists the same.
+    requirements = [line.strip() for line in (project / "requirements.txt").read_text().splitlines()
+                    if line.strip() and not line.startswith("#")]
+    assert requirements == tomllib.loads((project / "pyproject.toml").read_text())["project"][
+        "dependencies"]
 
 
 def test_names_are_derived_and_free_text_is_quoted_safely(bake):

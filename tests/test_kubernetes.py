@@ -469,16 +469,20 @@ def test_dockerfile_structure(bake):
     parser = parse_dockerfile(project)
     steps = instructions(parser)
     kinds = [kind for kind, _ in steps]
-    assert re.fullmatch(r"python:[0-9.]+-slim", parser.baseimage), parser.baseimage
-    assert kinds.count("FROM") == 1
+    args = build_args(parser)
+    # The base image is a build argument, python:<version>-slim by default.
+    assert dict(steps)["FROM"] == "${BASE_IMAGE}" and kinds.count("FROM") == 1
+    assert re.fullmatch(r"python:[0-9.]+-slim", args["BASE_IMAGE"]), args
 
-    # The PyTorch build is chosen by build arguments, and the CPU choice works.
-    assert parser.args["TORCH_VARIANT"].startswith("cu"), "the manifests ask for GPUs"
-    assert parser.args["TORCH_VERSION"]
+    # The PyTorch build and where it comes from are build arguments: by default the CUDA build
+    # from PyTorch's index for that variant.
+    assert args["TORCH_VARIANT"].startswith("cu"), "the manifests ask for GPUs"
+    assert args["TORCH_VERSION"]
+    assert args["TORCH_INDEX_URL"] == f"https://download.pytorch.org/whl/{args['TORCH_VARIANT']}"
     runs = [value for kind, value in steps if kind == "RUN"]
     [torch_step] = [r for r in runs if "torch==" in r]
-    assert "${TORCH_VARIANT}" in torch_step and "torch==${TORCH_VERSION}" in torch_step
-    assert "https://download.pytorch.org/whl/${TORCH_VARIANT}" in torch_step
+    assert '--index-url "${TORCH_INDEX_URL}"' in torch_step
+    assert "torch==${TORCH_VERSION}" in torch_step
 
     # Layers: torch, then requirements, then the project; USER last, numeric, not root.
     order = [kinds.index("WORKDIR"), steps.index(("RUN", torch_step)),
@@ -582,7 +586,20 @@ def docker_copy(context: Path, source: str, workdir: Path, patterns: list[str]) 
 
 
 def substitute(text: str, args: dict[str, str]) -> str:
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args[m.group(1) or m.group(2)], text)
+    """`${NAME}` and `$NAME` replaced by the build argument's value (values may use others)."""
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)",
+                  lambda m: substitute(args[m.group(1) or m.group(2)], args), text)
+
+
+def build_args(parser, **given: str) -> dict[str, str]:
+    """Every ARG of the Dockerfile (those before FROM too) with its value: `given` or the
+    default, with the arguments its default names substituted."""
+    args: dict[str, str] = {}
+    for kind, value in instructions(parser):
+        if kind == "ARG":
+            name, _, default = value.partition("=")
+            args[name] = given.get(name, substitute(default, args))
+    return args
 
 
 def test_dockerfile_steps_and_command_run(bake, tmp_path):
@@ -599,8 +616,8 @@ def test_dockerfile_steps_and_command_run(bake, tmp_path):
     command is mapped to a temporary folder."""
     torch_version = metadata.version("torch").split("+")[0]
     project = bake(kubernetes=True, task="regression")
-    parser = parse_dockerfile(project, TORCH_VARIANT="cpu", TORCH_VERSION=torch_version)
-    args = dict(parser.args)
+    parser = parse_dockerfile(project)
+    args = build_args(parser, TORCH_VARIANT="cpu", TORCH_VERSION=torch_version)
     assert args["TORCH_VERSION"] == torch_version
     patterns = dockerignore_patterns(project)
     constraints = tmp_path / "constraints.txt"
