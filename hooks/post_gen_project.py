@@ -19,6 +19,9 @@ UNUSED = {
     "kubernetes": ["Dockerfile", ".dockerignore", "k8s"],
     "github_actions": [".github"],
 }
+# Files of fault_tolerance=torchft: deleted with `none`, which then bakes no trace of torchft.
+TORCHFT = ["train_ft.py", "{package}/fault_tolerance.py", "scripts/train_ft.sh", "scripts/bench_ft.py",
+           "scripts/slurm/ft.sbatch", "tests/test_fault_tolerance.py", "docs/fault-tolerance.md"]
 
 LAUNCH = {
     "torchrun": "torchrun --standalone --nproc-per-node=2 train.py --epochs 3",
@@ -51,6 +54,9 @@ def main() -> None:
         if not truthy(ANSWERS[answer]):
             for rel in paths:
                 remove(root / rel)
+    if ANSWERS["fault_tolerance"] != "torchft":
+        for rel in TORCHFT:
+            remove(root / rel.format(package=ANSWERS["package_name"]))
     print(f"""
 Created {root}
 

@@ -43,6 +43,9 @@ def problems(a: dict) -> list[str]:
     if truthy(a["windows_support"]) and a["backend"] == "nccl":
         found.append("backend 'nccl' cannot be used with windows_support: NCCL does not exist on Windows; "
                      "choose backend 'gloo' or 'auto'")
+    if a["fault_tolerance"] == "torchft" and a["model_layout"] != "data_parallel":
+        found.append(f"fault_tolerance 'torchft' averages whole gradients across replica groups and needs "
+                     f"model_layout 'data_parallel', not {a['model_layout']!r}; choose one of the two")
     return found
 
 

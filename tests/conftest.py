@@ -33,7 +33,9 @@ def pytest_configure(config):
 def is_valid(answers: dict) -> bool:
     """The combinations the pre-generation hook refuses are not offered (test_hooks checks that
     they are refused)."""
-    return not (answers.get("windows_support") and answers.get("backend") == "nccl")
+    return not ((answers.get("windows_support") and answers.get("backend") == "nccl")
+                or (answers.get("fault_tolerance") == "torchft"
+                    and answers.get("model_layout", "data_parallel") != "data_parallel"))
 
 
 def pairwise_combinations() -> list[dict]:
@@ -85,6 +87,11 @@ def expected_files(package: str, answers: dict) -> set[str]:
         files |= {"Dockerfile", ".dockerignore", "k8s/pytorchjob.yaml", "k8s/pvc.yaml"}
     if answers.get("github_actions", True):
         files.add(".github/workflows/ci.yml")
+    if answers.get("fault_tolerance", "none") == "torchft":
+        files |= {"train_ft.py", f"{package}/fault_tolerance.py", "scripts/train_ft.sh", "scripts/bench_ft.py",
+                  "tests/test_fault_tolerance.py", "docs/fault-tolerance.md"}
+        if answers.get("slurm", True):
+            files.add("scripts/slurm/ft.sbatch")
     return files
 
 

@@ -73,6 +73,15 @@ def test_the_answers_are_the_projects_defaults(bake, answers):
                              ("mlflow", "mlflow-skinny")):
         assert (package in dependencies) == (answers["tracker"] == tracker), tracker
     assert ("numpy" in dependencies) == (answers["model_layout"] == "fsdp")
+    extras = tomllib.loads((project / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    if answers["fault_tolerance"] == "torchft":
+        assert extras["ft"] == ["torchft>=0.2.0,<0.3"]
+    else:  # `none` bakes no trace of torchft: no extra, no file, no word of it
+        assert "ft" not in extras
+        mentions = [rel for rel in project_files(project)
+                    if "torchft" in (project / rel).read_text(encoding="utf-8").lower()]
+        assert not mentions, mentions
     # requirements.txt (what the Dockerfile installs before the project itself) lists the same.
     requirements = [line.strip() for line in (project / "requirements.txt").read_text().splitlines()
                     if line.strip() and not line.startswith("#")]

@@ -21,6 +21,7 @@ BAD = [
     ({"project_slug": "My Project", "package_name": "my_project"}, "project_slug", "lower-case"),
     ({"project_name": "It's \"quoted\"", "package_name": "ok_name"}, "project_slug", "lower-case"),
     ({"windows_support": "yes", "backend": "nccl"}, "backend", "Windows"),
+    ({"fault_tolerance": "torchft", "model_layout": "fsdp"}, "fault_tolerance", "data_parallel"),
 ]
 
 

@@ -4,6 +4,7 @@
 #   scripts/train_multinode.sh 2 0 10.0.0.1:29400 --epochs 10     # on the head node
 #   scripts/train_multinode.sh 2 1 10.0.0.1:29400 --epochs 10     # on the second node
 # Pass '-' as HEAD_HOST to use $MASTER_ADDR (and $MASTER_PORT, default 29400).
+# TRAIN_SCRIPT: the script torchrun starts (default train.py).
 # Checkpoints are written by global rank 0 and read by every rank on resume: --checkpoint-dir must be
 # on storage all nodes share.
 set -euo pipefail
@@ -38,4 +39,4 @@ exec torchrun \
   --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC" \
   --rdzv-backend=c10d --rdzv-endpoint="$ENDPOINT" --rdzv-id="${RDZV_ID:-ddp-job}" \
   --max-restarts="${MAX_RESTARTS:-3}" "${NETWORK[@]}" \
-  train.py "$@"
+  "${TRAIN_SCRIPT:-train.py}" "$@"

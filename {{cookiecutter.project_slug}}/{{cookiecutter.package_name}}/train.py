@@ -14,6 +14,7 @@ import signal
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from multiprocessing import connection as mp_connection
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,9 @@ from .trainer import Data, Runtime, Trainer
 from .workarounds import exit_process, stop_stuck_agent
 
 STARTED_AT = time.time()  # when this process imported the code: the start of "time to first step"
+# What a process runs once its process group started: train_on, or a variant of it (a module
+# that builds the Trainer with other parts and calls main with its own train_fn).
+TrainFn = Callable[[Config, World, str, list[torch.device], Lifeline], dict]
 
 
 def seed_everything(seed: int) -> None:
@@ -65,17 +69,18 @@ def rendezvous_dir(cfg: Config) -> Path:
     return Path(cfg.output_dir) / "rendezvous"
 
 
-def build_data(cfg: Config, world: World, device: torch.device,
-               comm_device: torch.device) -> Data:
-    """task.build_datasets, sharded: this rank's batches, their loader, and the evaluator of the
-    validation set (None without one)."""
+def build_data(cfg: Config, world: World, device: torch.device, comm_device: torch.device,
+               share: tuple[int, int] | None = None) -> Data:
+    """task.build_datasets, sharded: this rank's batches (share `index` of `count`, by default
+    rank of world size), their loader, and the evaluator of the validation set (None without
+    one)."""
     pin_memory = device.type == "cuda"
     train_set, val_set = task.build_datasets(cfg)
     if len(train_set) == 0:
         raise SetupError("task.build_datasets returned an empty training set", everywhere=True)
     collate = getattr(task, "collate", None)
-    batches = ShardedBatchSampler(len(train_set), world.rank, world.world_size, cfg.batch_size,
-                                  cfg.seed)
+    index, count = share or (world.rank, world.world_size)
+    batches = ShardedBatchSampler(len(train_set), index, count, cfg.batch_size, cfg.seed)
     loader = build_loader(train_set, batches, collate, cfg.num_workers, pin_memory)
     evaluator = None
     if val_set is not None and len(val_set) > 0:
@@ -90,24 +95,33 @@ def build_data(cfg: Config, world: World, device: torch.device,
 def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device],
              lifeline: Lifeline) -> dict:
     """Everything after joining the process group: data, model, optimizer, Trainer."""
+    trainer = build_trainer(cfg, world, backend, devices, lifeline)
+    trainer.resume()
+    return trainer.train()
+
+
+def build_trainer(cfg: Config, world: World, backend: str, devices: list[torch.device],
+                  lifeline: Lifeline, share: tuple[int, int] | None = None,
+                  optimization: Callable[..., Optimization] = Optimization) -> Trainer:
+    """Data, model, optimizer and the Trainer around them. `share` is (index, count) of this
+    rank's share of the training data when it is not (rank, world size)."""
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     seed_everything(cfg.seed)  # the same data and the same initial model on every rank
-    data = build_data(cfg, world, devices[0], collective_device(backend, devices[0]))
+    data = build_data(cfg, world, devices[0], collective_device(backend, devices[0]), share)
     model = parallelize(build_model(cfg), cfg, devices, task, world.is_main)
     steps_per_epoch = math.ceil(data.batches.batches_per_epoch() / cfg.grad_accum)
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     # fsdp on a GPU casts through its mixed-precision policy instead of autocast.
     autocast = not (cfg.model_layout == "fsdp" and devices[0].type == "cuda")
-    optim = Optimization(model, cfg, devices[0], total_steps, autocast=autocast,
+    optim = optimization(model, cfg, devices[0], total_steps, autocast=autocast,
                          configure=getattr(task, "configure_optimizer", None))
     trainer = Trainer(cfg, world, task, model, optim, data,
                       Runtime(devices[0], backend, lifeline, STARTED_AT))
     seed_everything(cfg.seed + world.rank)  # different random streams per rank from here on
-    trainer.resume()
-    return trainer.train()
+    return trainer
 
 
 def build_model(cfg: Config) -> torch.nn.Module:
@@ -147,8 +161,9 @@ def launcher_pid(world: World) -> int:
     return os.getppid() if managed else 0
 
 
-def run(cfg: Config, world: World) -> dict:
-    """Train as one process of `world`. The process group is always left, even on errors."""
+def run(cfg: Config, world: World, train_fn: TrainFn = train_on) -> dict:
+    """Train as one process of `world` (`train_fn` does the training after the process group
+    started). The process group is always left, even on errors."""
     lifeline = Lifeline(world.rank, cfg.timeout_s, cfg.output_dir,  # signals count from here on
                         launcher_pid(world)).start()
     # After the watchdog started (it keeps the terminal for its own lines).
@@ -181,7 +196,7 @@ def run(cfg: Config, world: World) -> dict:
                            f" at {rdzv.host}:{rdzv.port}" if rdzv.port else "")
         peers.announce()
         try:
-            return train_on(cfg, world, backend, devices, lifeline)
+            return train_fn(cfg, world, backend, devices, lifeline)
         except SetupError as exc:
             if not (exc.quiet or exc.everywhere):
                 peers.record(str(exc))  # this rank's own problem: tell the others why
@@ -204,12 +219,12 @@ def run(cfg: Config, world: World) -> dict:
         lifeline.close()
 
 
-def run_and_report(cfg: Config, world: World) -> int:
+def run_and_report(cfg: Config, world: World, train_fn: TrainFn = train_on) -> int:
     """`run`, with every failure turned into an exit code (the process then ends through
     `exit_process`). A run stopped by a signal saved a checkpoint and ends with 128 + the
     signal's number (130 for Ctrl-C, 143 for SIGTERM), so `train && next` does not go on."""
     try:
-        result = run(cfg, world)
+        result = run(cfg, world, train_fn)
     except SetupError as exc:
         agent = launcher_pid(world) if world.launcher == "torchrun" else 0
         if isinstance(exc, LostContact) and agent and world.world_size > world.local_world_size:
@@ -225,13 +240,14 @@ def run_and_report(cfg: Config, world: World) -> int:
     return result.get("exit_code", 0)
 
 
-def _spawn_worker(index: int, cfg: Config, nprocs: int, port: int, run_id: str) -> None:
+def _spawn_worker(index: int, cfg: Config, nprocs: int, port: int, run_id: str,
+                  train_fn: TrainFn) -> None:
     world = World(rank=index, local_rank=index, world_size=nprocs, local_world_size=nprocs,
                   launcher="spawn", master_addr="127.0.0.1", master_port=port, run_id=run_id)
-    exit_process(run_and_report(cfg, world))
+    exit_process(run_and_report(cfg, world, train_fn))
 
 
-def spawn(cfg: Config) -> int:
+def spawn(cfg: Config, train_fn: TrainFn = train_on) -> int:
     """Start `cfg.nprocs` processes on this machine. A free port is picked here, so parallel runs
     don't collide; if one child fails, the others are stopped and the run exits non-zero."""
     port = find_free_port()
@@ -239,7 +255,7 @@ def spawn(cfg: Config) -> int:
     # Check --init-method once here (a stale file, a bad URL) rather than once per child.
     resolve_rendezvous(cfg.init_method, World(0, 0, cfg.nprocs, cfg.nprocs, "spawn", "127.0.0.1",
                                               port, run_id), rendezvous_dir(cfg))
-    context = mp.start_processes(_spawn_worker, args=(cfg, cfg.nprocs, port, run_id),
+    context = mp.start_processes(_spawn_worker, args=(cfg, cfg.nprocs, port, run_id, train_fn),
                                  nprocs=cfg.nprocs, join=False, start_method="spawn")
 
     stop: list[int] = []
@@ -284,7 +300,8 @@ def _wait_for_workers(processes: list, stop: list[int]) -> int:
     return 128 + stop[0] if stop else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, train_fn: TrainFn = train_on) -> int:
+    """Parse the flags and train (`train_fn`: what each process runs once its group started)."""
     cfg = parse_args(argv)
     try:
         world = resolve_world(local_rank_flag=cfg.local_rank)
@@ -293,11 +310,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise SetupError(f"--nprocs starts processes itself, but this one was started by "
                                  f"{world.launcher}; drop --nprocs (the launcher sets the process "
                                  "count)", everywhere=True)
-            return spawn(cfg)
+            return spawn(cfg, train_fn)
     except SetupError as exc:
         report_error(exc)
         return 1
-    return run_and_report(cfg, world)
+    return run_and_report(cfg, world, train_fn)
 
 
 if __name__ == "__main__":

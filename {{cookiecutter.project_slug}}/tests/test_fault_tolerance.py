@@ -1,0 +1,269 @@
+"""Fault tolerance with torchft, for real: a lighthouse and replica groups of 2 processes each,
+every one a torchrun job of train_ft.py. Needs torchft (`pip install -e ".[ft]"`); the ones that
+start groups are in the slow tier (`pytest --full`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    PROJECT_ROOT,
+    child_env,
+    load_state,
+    one_error,
+    read_metrics,
+    run_cmd,
+    torchrun_cmd,
+)
+
+from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints
+from {{ cookiecutter.package_name }}.environments import World, find_free_port
+from {{ cookiecutter.package_name }}.failures import SetupError
+from {{ cookiecutter.package_name }}.fault_tolerance import Replicas
+
+TRAIN_FT = str(PROJECT_ROOT / "train_ft.py")
+HEARTBEAT_S = 3.0  # the lighthouse's heartbeat timeout in these tests
+# A small model and many short steps: groups must still be training when the killed one is back.
+FLAGS = ["--no-progress", "--dataset-size", "512", "--hidden-size", "16", "--batch-size", "16",
+         "--val-fraction", "0", "--epochs", "100000", "--log-every", "20", "--timeout-s", "10",
+         "--save-every", "0", "--save-every-steps", "50", "--step-times", "steps.json"]
+
+needs_torchft = pytest.mark.skipif(
+    shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) is None,
+    reason='needs torchft: pip install -e ".[ft]"')
+
+
+def test_replica_settings_come_from_the_environment():
+    env = {"TORCHFT_LIGHTHOUSE": "http://lh:29510", "REPLICA_GROUP_ID": "1",
+           "NUM_REPLICA_GROUPS": "3"}
+    replicas = Replicas.from_env(env)
+    assert (replicas.group, replicas.groups, replicas.min_replicas) == (1, 3, 1)
+    # Group 1 of 3, rank 1 of 2: share 3 of 6 (the groups split the data, then their ranks).
+    assert replicas.share(World(1, 1, 2, 2, "torchrun")) == (3, 6)
+    for bad, words in [({"TORCHFT_LIGHTHOUSE": ""}, "TORCHFT_LIGHTHOUSE is not set"),
+                       ({"REPLICA_GROUP_ID": "3"}, "REPLICA_GROUP_ID 3 is not below"),
+                       ({"REPLICA_GROUP_ID": "x"}, "REPLICA_GROUP_ID=x is not a whole number")]:
+        with pytest.raises(SetupError, match=words):
+            Replicas.from_env({**env, **bad})
+
+
+def test_without_torchft_the_error_gives_the_install_command(tmp_path):
+    shadow = tmp_path / "shadow" / "torchft"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named torchft')\n")
+    result = run_cmd([*torchrun_cmd(2), TRAIN_FT, "--no-progress"], tmp_path, timeout=120,
+                     PYTHONPATH=f"{shadow.parent}{os.pathsep}{PROJECT_ROOT}",
+                     TORCHFT_LIGHTHOUSE="http://127.0.0.1:9", REPLICA_GROUP_ID="0",
+                     NUM_REPLICA_GROUPS="2")
+    assert 'torchft is not installed: pip install -e ".[ft]"' in one_error(result)
+
+
+class Lighthouse:
+    def __init__(self, workdir: Path, min_replicas: int = 1) -> None:
+        self.port = find_free_port()
+        self.address = f"http://127.0.0.1:{self.port}"
+        self.log = workdir / "lighthouse.log"
+        binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
+        self.process = subprocess.Popen(
+            [binary, "--bind", f"[::]:{self.port}", "--min_replicas", str(min_replicas),
+             "--heartbeat_timeout_ms", str(int(HEARTBEAT_S * 1000)), "--join_timeout_ms",
+             "3000"], stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+class Group:
+    """One replica group: torchrun with 2 processes of train_ft.py, in a session of its own so
+    that a test can kill all of it at once; its output goes to a file the test can watch."""
+
+    def __init__(self, workdir: Path, index: int, lighthouse: Lighthouse, *extra: str,
+                 min_replicas: int = 1) -> None:
+        self.index, self.workdir = index, workdir
+        self.output_dir = workdir / f"runs/group{index}"
+        self.checkpoints = workdir / f"checkpoints/group{index}"
+        self.log = workdir / f"group{index}.log"
+        self.runs = 0
+        self.args = [*torchrun_cmd(2), TRAIN_FT, *FLAGS, "--output-dir", str(self.output_dir),
+                     "--checkpoint-dir", str(self.checkpoints), *extra]
+        self.env = child_env(TORCHFT_LIGHTHOUSE=lighthouse.address, REPLICA_GROUP_ID=str(index),
+                             NUM_REPLICA_GROUPS="2", TORCHFT_MIN_REPLICAS=str(min_replicas))
+        self.start()
+
+    def start(self) -> None:
+        self.runs += 1
+        out = self.log.with_suffix(f".{self.runs}.log").open("w")
+        self.process = subprocess.Popen(self.args, cwd=self.workdir, env=self.env, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.with_suffix(f".{self.runs}.log").read_text()
+
+    def wait_for(self, pattern: str, timeout: float = 120) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = re.search(pattern, self.output())
+            if found:
+                return found
+            assert self.process.poll() is None, f"group {self.index} ended:\n{self.output()}"
+            time.sleep(0.05)
+        raise AssertionError(f"group {self.index}: no {pattern!r} in\n{self.output()}")
+
+    def kill(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)  # the agent and its workers: a lost host
+        self.process.wait()
+
+    def finish(self, timeout: float = 300) -> str:
+        code = self.process.wait(timeout)
+        assert code == 0, f"group {self.index} exited with {code}:\n{self.output()}"
+        return self.output()
+
+    def final_weights(self) -> dict[str, torch.Tensor]:
+        return load_state(list_checkpoints(self.checkpoints)[0])["model"]
+
+    def step_gaps(self) -> list[float]:
+        ends = json.loads((self.workdir / "steps.json").read_text())["step_ends"]
+        return [b - a for a, b in zip(ends, ends[1:], strict=False)]
+
+
+@pytest.fixture
+def groups(tmp_path):
+    """Start a lighthouse and groups; whatever is left is stopped at the end."""
+    started: list = []
+
+    def start(*extra: str, min_replicas: int = 1) -> tuple[Lighthouse, Group, Group]:
+        lighthouse = Lighthouse(tmp_path, min_replicas)
+        workdirs = [tmp_path / f"g{i}" for i in range(2)]
+        for workdir in workdirs:
+            workdir.mkdir(exist_ok=True)
+        pair = [Group(workdirs[i], i, lighthouse, *extra, min_replicas=min_replicas)
+                for i in range(2)]
+        started.extend([lighthouse, *pair])
+        return lighthouse, pair[0], pair[1]
+
+    yield start
+    for thing in started:
+        if isinstance(thing, Group) and thing.process.poll() is None:
+            thing.kill()
+        elif isinstance(thing, Lighthouse):
+            thing.stop()
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.full
+@needs_torchft
+def test_a_lost_group_leaves_the_other_training_and_heals_when_started_again(groups,
+                                                                             example_task):
+    lighthouse, first, second = groups("--max-steps", "4000")
+    first.wait_for(r"step [1-9]\d\d+ loss")  # both groups are past step 100
+    second.kill()
+    at_kill = max(int(step) for step in re.findall(r"step (\d+) loss", first.output()))
+    second.start()  # at once: it takes seconds to start, and the first must not finish before
+    first.wait_for(r"step \d+: 1 replica group\(s\) taking part")
+    healed = int(second.wait_for(r"healed from a live replica group: .* step (\d+)").group(1))
+    first.wait_for(r"step \d+: 2 replica group\(s\) taking part", timeout=60)
+    out_first, out_second = first.finish(), second.finish()
+
+    # The survivor paused once, for about the heartbeat timeout, and never restarted.
+    gaps = first.step_gaps()
+    assert max(gaps) <= HEARTBEAT_S + 2.0, f"longest pause {max(gaps):.1f} s"
+    assert "resumed from" not in out_first
+    # Its loss kept falling, alone and after the other group came back.
+    losses = [r["loss"] for r in read_metrics(first.output_dir) if r["step"] >= at_kill]
+    assert losses[-1] < losses[0], losses
+    # The healed group took the live state: the same final weights, bit for bit.
+    assert "done: 4000 steps" in out_first and "done: 4000 steps" in out_second
+    assert same(first.final_weights(), second.final_weights())
+    print(f"\ngroup 1 killed at step {at_kill}, healed at step {healed}; longest pause of "
+          f"group 0: {max(gaps):.2f} s (heartbeat timeout {HEARTBEAT_S:.0f} s)")
+
+
+@pytest.mark.full
+@needs_torchft
+def test_every_group_killed_resumes_from_its_checkpoint_exactly(groups, tmp_path, example_task):
+    # Two groups in every step (min 2), so a run's result does not depend on timing.
+    _, first, second = groups("--max-steps", "300", min_replicas=2)
+    first.finish(), second.finish()
+    reference = first.final_weights()
+    assert same(reference, second.final_weights())
+
+    for folder in (tmp_path / "g0", tmp_path / "g1"):
+        shutil.rmtree(folder)
+    _, first, second = groups("--max-steps", "300", min_replicas=2)
+    first.wait_for(r"step (1[4-9]\d|2\d\d) loss")  # past the checkpoint of step 100
+    first.kill(), second.kill()
+    first.start(), second.start()
+    resumed = [group.wait_for(r"resumed from \S+ \(.* step (\d+)\)").group(1)
+               for group in (first, second)]
+    first.finish(), second.finish()
+    assert all(int(step) >= 100 for step in resumed), resumed
+    assert same(first.final_weights(), reference)
+    assert same(second.final_weights(), reference)
+
+
+@pytest.mark.full
+@needs_torchft
+def test_an_unreachable_lighthouse_is_one_error_line_within_the_timeout(tmp_path):
+    started = time.monotonic()
+    result = run_cmd([*torchrun_cmd(2), TRAIN_FT, "--no-progress", "--timeout-s", "5"], tmp_path,
+                     timeout=120, TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{find_free_port()}",
+                     REPLICA_GROUP_ID="0", NUM_REPLICA_GROUPS="2")
+    assert "error: cannot reach the torchft lighthouse" in one_error(result)
+    assert time.monotonic() - started < 5 + 15
+
+
+@pytest.mark.full
+@needs_torchft
+def test_a_lighthouse_that_dies_ends_every_group_with_one_line(groups, example_task):
+    lighthouse, first, second = groups("--max-steps", "100000", "--timeout-s", "5")
+    first.wait_for(r"step \d+ loss"), second.wait_for(r"step \d+ loss")
+    lighthouse.stop()
+    stopped = time.monotonic()
+    for group in (first, second):
+        assert group.process.wait(60) == 1
+        errors = [line for line in group.output().splitlines() if "error:" in line]
+        assert len(errors) == 1 and "lost the torchft lighthouse" in errors[0], group.output()
+    assert time.monotonic() - stopped < 5 + 15
+
+
+@pytest.mark.full
+@needs_torchft
+def test_the_script_starts_a_lighthouse_and_two_groups_as_the_docs_show(tmp_path, example_task):
+    script = str(PROJECT_ROOT / "scripts" / "train_ft.sh")
+    port = find_free_port()
+    env = child_env(PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+                    PYTHON=sys.executable, LIGHTHOUSE_PORT=str(port), HEARTBEAT_TIMEOUT_MS="3000",
+                    TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}",
+                    LIGHTHOUSE_LOG=str(tmp_path / "lighthouse.log"))
+    lighthouse = subprocess.Popen([script, "lighthouse"], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        # The folders given last win over the script's runs/groupN and checkpoints/groupN.
+        jobs = [subprocess.Popen([script, "group", *FLAGS[:-2], "--max-steps", "100",
+                                  "--output-dir", str(tmp_path / f"runs{i}"),
+                                  "--checkpoint-dir", str(tmp_path / f"checkpoints{i}")],
+                                 env={**env, "REPLICA_GROUP_ID": str(i)}, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True) for i in range(2)]
+        outputs = [job.communicate(timeout=240)[0] for job in jobs]
+    finally:
+        os.killpg(lighthouse.pid, signal.SIGKILL)
+        lighthouse.wait()
+    for i, (job, out) in enumerate(zip(jobs, outputs, strict=True)):
+        assert job.returncode == 0, out
+        assert f"replica group {i} of 2" in out and "done: 100 steps" in out
+        assert list_checkpoints(tmp_path / f"checkpoints{i}")
+    assert "Quorum" in (tmp_path / "lighthouse.log").read_text()

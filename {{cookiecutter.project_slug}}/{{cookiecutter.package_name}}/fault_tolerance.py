@@ -1,0 +1,281 @@
+"""Per-step fault tolerance with torchft: replica groups that keep training when one is lost.
+
+A replica group is an ordinary job of this project (torchrun, any launcher, one or several nodes).
+Every group holds a whole copy of the model; inside a group DDP averages the gradients as usual,
+and torchft's Manager then averages them across the groups that are alive at this step. A group
+that dies is dropped after the lighthouse's heartbeat timeout and the others go on; started again,
+it heals: it copies the live state (model, optimizer, schedule, position) from a peer and joins
+in. See docs/fault-tolerance.md.
+
+Start it with train_ft.py instead of train.py, with these set in each group's environment:
+    TORCHFT_LIGHTHOUSE    the lighthouse's address, e.g. http://host:29510
+    REPLICA_GROUP_ID      this group's number, 0 .. NUM_REPLICA_GROUPS - 1
+    NUM_REPLICA_GROUPS    how many groups the data is split between
+    TORCHFT_MIN_REPLICAS  commit a step only with at least this many groups (default 1)
+"""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import Config
+from .environments import World
+from .failures import SetupError
+from .lifeline import Lifeline
+from .optim import Optimization
+from .train import build_trainer
+from .trainer import Trainer
+
+INSTALL = 'pip install -e ".[ft]"'
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """This replica group's place among the others, from the environment."""
+
+    group: int
+    groups: int
+    lighthouse: str
+    min_replicas: int = 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Replicas:
+        lighthouse = env.get("TORCHFT_LIGHTHOUSE", "")
+        if not lighthouse:
+            raise SetupError("TORCHFT_LIGHTHOUSE is not set: start a lighthouse "
+                             "(scripts/train_ft.sh lighthouse) and export its address, e.g. "
+                             "TORCHFT_LIGHTHOUSE=http://localhost:29510", everywhere=True)
+        numbers = {}
+        for name, default in (("REPLICA_GROUP_ID", None), ("NUM_REPLICA_GROUPS", None),
+                              ("TORCHFT_MIN_REPLICAS", "1")):
+            value = env.get(name, default)
+            if value is None or not value.isdigit():
+                raise SetupError(f"{name}={value or ''!s} is not a whole number; set "
+                                 "REPLICA_GROUP_ID (0, 1, ...) and NUM_REPLICA_GROUPS for each "
+                                 "replica group", everywhere=True)
+            numbers[name] = int(value)
+        group, groups = numbers["REPLICA_GROUP_ID"], numbers["NUM_REPLICA_GROUPS"]
+        if not 0 <= group < groups:
+            raise SetupError(f"REPLICA_GROUP_ID {group} is not below NUM_REPLICA_GROUPS "
+                             f"{groups}; number the groups 0 to {groups - 1}", everywhere=True)
+        return cls(group, groups, lighthouse, max(1, numbers["TORCHFT_MIN_REPLICAS"]))
+
+    def share(self, world: World) -> tuple[int, int]:
+        """This rank's share of the training data: the groups split it, then their ranks."""
+        return self.group * world.world_size + world.rank, self.groups * world.world_size
+
+
+def quiet_torchft(log_file: Path) -> None:
+    """torchft's own messages (a line per quorum, per checkpoint request) go to `log_file`; the
+    terminal keeps this project's lines."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log_file)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.propagate = False
+        logger.setLevel(logging.INFO if name in ("torchft", "torchft_errors") else logging.WARNING)
+    # The checkpoint server (Python's http.server) writes every request it serves to stderr.
+    http.server.BaseHTTPRequestHandler.log_message = lambda *args: None
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def start_manager(replicas: Replicas, world: World, backend: str, timeout_s: float) -> Any:
+    """torchft's Manager for this rank. Quorums are synchronous (computed at the start of each
+    step, before the forward), so a group heals before it trains, never in the middle of a step."""
+    try:
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+    except ImportError:
+        raise SetupError(f"this project trains with torchft (fault_tolerance=torchft), but torchft "
+                         f"is not installed: {INSTALL}", everywhere=True) from None
+    timeout = timedelta(seconds=timeout_s)
+    group = ProcessGroupNCCL(timeout=timeout) if backend == "nccl" else ProcessGroupGloo(timeout)
+    try:
+        return Manager(pg=group, load_state_dict=None, state_dict=None,
+                       min_replica_size=replicas.min_replicas, use_async_quorum=False,
+                       timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+                       rank=world.rank, world_size=world.world_size,
+                       lighthouse_addr=replicas.lighthouse,
+                       replica_id=f"replica_group_{replicas.group}")
+    except Exception as exc:
+        raise SetupError(f"cannot reach the torchft lighthouse at {replicas.lighthouse} "
+                         f"({_first_line(exc)}); start it (scripts/train_ft.sh lighthouse) or "
+                         "fix TORCHFT_LIGHTHOUSE", everywhere=True) from None
+
+
+class FaultTolerantOptimization(Optimization):
+    """Optimization whose step averages the gradients across the live replica groups and is
+    taken only if every group of this step's quorum got that far (torchft's should_commit). A
+    step that is not committed leaves the weights as they were; its batch is lost."""
+
+    def __init__(self, manager: Any, lighthouse: str, say: bool, *args: Any,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.manager, self.lighthouse, self.say = manager, lighthouse, say
+        self.skipped_steps = 0
+        self.participants = 0
+        # All gradients in one buffer: one allreduce across the groups per step.
+        self._flat = torch.empty(sum(p.numel() for p in self.params), device=self.params[0].device,
+                                 dtype=self.params[0].dtype)
+        self._in_step = False
+        self._joined = False  # has this group had a quorum yet?
+
+    def begin_step(self) -> None:
+        """Join this step's quorum (at most once a step); heal from a peer if behind."""
+        if self._in_step:
+            return
+        try:
+            self.manager.start_quorum()
+        except SetupError:
+            raise
+        except Exception as exc:
+            if not self._joined:
+                raise SetupError(f"cannot reach the torchft lighthouse at {self.lighthouse} "
+                                 f"({_first_line(exc)}); start it (scripts/train_ft.sh "
+                                 "lighthouse) or fix TORCHFT_LIGHTHOUSE", everywhere=True) from None
+            raise SetupError(f"lost the torchft lighthouse at {self.lighthouse} "
+                             f"({_first_line(exc)}); restart it, then the replica groups (they "
+                             "resume from their checkpoints)", everywhere=True) from None
+        self._in_step = self._joined = True
+        participants = self.manager.num_participants()
+        if participants != self.participants and self.say:
+            print(f"torchft: step {self.manager.current_step()}: {participants} replica "
+                  f"group(s) taking part", flush=True)
+        self.participants = participants
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.begin_step()  # before the gradients exist: a healing group loads the peer's state
+        super().backward(loss)
+
+    def step(self) -> None:
+        self.begin_step()
+        flat, offset = self._flat, 0
+        for p in self.params:
+            part = flat[offset:offset + p.numel()]
+            if p.grad is None:  # unused this step: no gradient, counts as zero
+                part.zero_()
+            else:
+                part.copy_(p.grad.reshape(-1))
+            offset += p.numel()
+        self.manager.allreduce(flat).wait()  # the average over the groups of this step
+        try:
+            commit = self.manager.should_commit()
+        except Exception as exc:
+            raise SetupError(f"lost the torchft manager of this replica group or its lighthouse "
+                             f"at {self.lighthouse} ({_first_line(exc)}); restart the group",
+                             everywhere=True) from None
+        self._in_step = False
+        if commit:
+            offset = 0
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+            super().step()
+        else:
+            self.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()  # the schedule follows the trainer's step count either way
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "torchft": self.manager.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if state.get("torchft"):
+            self.manager.load_state_dict(state["torchft"])
+
+
+class Healing:
+    """What a healing group copies from a peer: everything the result depends on."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.training = False  # set once the group trains: from then on it never falls behind
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.trainer
+        return {"model": t.raw.state_dict(), "optimizer": t.optim.optimizer.state_dict(),
+                "optim": Optimization.state_dict(t.optim), "selection": t.selection.state_dict(),
+                "position": [t.epoch, t.batch_in_epoch, t.step], "last_loss": t.last_loss}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        t = self.trainer
+        if self.training:  # it cannot rewind the loop it is in: start over, and heal at start
+            raise SetupError("this replica group fell behind the others (a step it could not "
+                             "commit); restart it and it heals from them", everywhere=True)
+        t.raw.load_state_dict(state["model"])
+        t.optim.optimizer.load_state_dict(state["optimizer"])
+        Optimization.load_state_dict(t.optim, state["optim"])
+        t.selection.load_state_dict(state["selection"])
+        t.epoch, t.batch_in_epoch, t.step = state["position"]
+        t.last_loss = state["last_loss"]
+        if t.world.is_main and t.step > 0:  # at step 0 every group takes the first's weights
+            print(f"torchft: healed from a live replica group: epoch {t.epoch}, batch "
+                  f"{t.batch_in_epoch}, step {t.step}", flush=True)
+
+
+def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device],
+             lifeline: Lifeline) -> dict:
+    """train.train_on for one replica group: the same Trainer, with torchft's step."""
+    if cfg.model_layout != "data_parallel":
+        raise SetupError(f"train_ft.py needs --model-layout data_parallel (torchft averages whole "
+                         f"gradients across the replica groups), not {cfg.model_layout}",
+                         everywhere=True)
+    replicas = Replicas.from_env(os.environ)
+    quiet_torchft(Path(cfg.output_dir) / f"torchft-rank{world.rank}.log")
+    if world.is_main:
+        print(f"torchft: replica group {replicas.group} of {replicas.groups}, lighthouse "
+              f"{replicas.lighthouse}", flush=True)
+    with lifeline.waiting(f"the torchft lighthouse at {replicas.lighthouse}",
+                          "start it (scripts/train_ft.sh lighthouse) or fix TORCHFT_LIGHTHOUSE",
+                          phase="rendezvous"):
+        manager = start_manager(replicas, world, backend, cfg.timeout_s)
+    try:
+        def optimization(*args: Any, **kwargs: Any) -> FaultTolerantOptimization:
+            return FaultTolerantOptimization(manager, replicas.lighthouse, world.is_main, *args,
+                                             **kwargs)
+
+        trainer = build_trainer(cfg, world, backend, devices, lifeline,
+                                share=replicas.share(world), optimization=optimization)
+        healing = Healing(trainer)
+        manager.register_state_dict_fn("trainer", healing.load_state_dict, healing.state_dict)
+        trainer.resume()  # this group's own newest checkpoint, with the Manager's step
+        with lifeline.waiting(f"the other replica groups' quorum at {replicas.lighthouse}",
+                              "check the lighthouse and the other groups", phase="rendezvous"):
+            trainer.optim.begin_step()  # the first quorum: heals from a peer that is ahead
+        healing.training = True
+        summary = trainer.train()
+        if world.is_main and trainer.optim.skipped_steps:
+            print(f"torchft: {trainer.optim.skipped_steps} step(s) not committed (a replica "
+                  "group dropped out during them)", flush=True)
+        return summary
+    finally:
+        manager.shutdown(wait=False)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The exception's gist: torchft's messages go on with advice after a ';'."""
+    text = str(exc).strip()
+    if isinstance(exc, TimeoutError) or "Timeout expired" in text:
+        return "no answer within --timeout-s"
+    return f"{type(exc).__name__}: {text.splitlines()[0].split(';')[0]}" if text else \
+        type(exc).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .train import main as train_main
+
+    return train_main(argv, train_fn=train_on)
