@@ -267,3 +267,18 @@ def test_the_script_starts_a_lighthouse_and_two_groups_as_the_docs_show(tmp_path
         assert f"replica group {i} of 2" in out and "done: 100 steps" in out
         assert list_checkpoints(tmp_path / f"checkpoints{i}")
     assert "Quorum" in (tmp_path / "lighthouse.log").read_text()
+
+
+@pytest.mark.full
+@needs_torchft
+def test_a_group_started_by_mp_spawn_with_a_file_rendezvous_trains(tmp_path, example_task):
+    lighthouse = Lighthouse(tmp_path)
+    try:
+        result = run_cmd([sys.executable, TRAIN_FT, "--nprocs", "2", "--init-method", "file",
+                          *FLAGS, "--max-steps", "40", "--output-dir", str(tmp_path / "runs")],
+                         tmp_path, timeout=180, TORCHFT_LIGHTHOUSE=lighthouse.address,
+                         REPLICA_GROUP_ID="0", NUM_REPLICA_GROUPS="1")
+    finally:
+        lighthouse.stop()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "launcher spawn" in result.stdout and "done: 40 steps" in result.stdout

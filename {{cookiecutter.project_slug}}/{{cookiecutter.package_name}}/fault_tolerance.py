@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .config import Config
+from .distributed import collective_device
 from .environments import World
 from .failures import SetupError
 from .lifeline import Lifeline
@@ -91,25 +93,43 @@ def quiet_torchft(log_file: Path) -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
-def start_manager(replicas: Replicas, world: World, backend: str, timeout_s: float) -> Any:
-    """torchft's Manager for this rank. Quorums are synchronous (computed at the start of each
-    step, before the forward), so a group heals before it trains, never in the middle of a step."""
+def group_store(world: World, device: torch.device, timeout_s: float) -> tuple[Any, int]:
+    """A TCP store for the Manager, on a free port of rank 0 (the launcher's store may be a file,
+    or be hidden, as under mp.spawn): the store on rank 0 (None elsewhere) and its port."""
+    store, port = None, torch.zeros(1, dtype=torch.int64, device=device)
+    if world.is_main:
+        store = dist.TCPStore(world.master_addr, 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout_s))
+        port[0] = store.port
+    dist.broadcast(port, 0)
+    return store, int(port.item())
+
+
+def start_manager(replicas: Replicas, world: World, backend: str, device: torch.device,
+                  timeout_s: float) -> tuple[Any, Any]:
+    """torchft's Manager for this rank, and the store it uses (keep it while the Manager runs).
+    Quorums are synchronous (computed at the start of each step, before the forward), so a group
+    heals before it trains, never in the middle of a step."""
     try:
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
     except ImportError:
         raise SetupError(f"this project trains with torchft (fault_tolerance=torchft), but torchft "
                          f"is not installed: {INSTALL}", everywhere=True) from None
+    store, port = group_store(world, device, timeout_s)
     timeout = timedelta(seconds=timeout_s)
     group = ProcessGroupNCCL(timeout=timeout) if backend == "nccl" else ProcessGroupGloo(timeout)
     try:
         return Manager(pg=group, load_state_dict=None, state_dict=None,
                        min_replica_size=replicas.min_replicas, use_async_quorum=False,
                        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-                       rank=world.rank, world_size=world.world_size,
-                       lighthouse_addr=replicas.lighthouse,
-                       replica_id=f"replica_group_{replicas.group}")
+                       rank=world.rank, world_size=world.world_size, store_addr=world.master_addr,
+                       store_port=port, lighthouse_addr=replicas.lighthouse,
+                       replica_id=f"replica_group_{replicas.group}"), store
     except Exception as exc:
+        if "connect" not in str(exc):
+            raise SetupError(f"torchft's Manager did not start ({_first_line(exc)})",
+                             everywhere=True) from None
         raise SetupError(f"cannot reach the torchft lighthouse at {replicas.lighthouse} "
                          f"({_first_line(exc)}); start it (scripts/train_ft.sh lighthouse) or "
                          "fix TORCHFT_LIGHTHOUSE", everywhere=True) from None
@@ -242,7 +262,8 @@ def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device
     with lifeline.waiting(f"the torchft lighthouse at {replicas.lighthouse}",
                           "start it (scripts/train_ft.sh lighthouse) or fix TORCHFT_LIGHTHOUSE",
                           phase="rendezvous"):
-        manager = start_manager(replicas, world, backend, cfg.timeout_s)
+        manager, _store = start_manager(replicas, world, backend,
+                                        collective_device(backend, devices[0]), cfg.timeout_s)
     try:
         def optimization(*args: Any, **kwargs: Any) -> FaultTolerantOptimization:
             return FaultTolerantOptimization(manager, replicas.lighthouse, world.is_main, *args,
