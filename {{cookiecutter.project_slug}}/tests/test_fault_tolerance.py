@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -69,12 +70,14 @@ def test_without_torchft_the_error_gives_the_install_command(tmp_path):
 
 
 class Lighthouse:
-    def __init__(self, workdir: Path, min_replicas: int = 1) -> None:
+    """torchft's lighthouse on a free port, here or on a test host."""
+
+    def __init__(self, workdir: Path, min_replicas: int = 1, host: Any = None) -> None:
         self.port = find_free_port()
-        self.address = f"http://127.0.0.1:{self.port}"
+        self.address = f"http://{host.address if host else '127.0.0.1'}:{self.port}"
         self.log = workdir / "lighthouse.log"
         binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
-        self.process = subprocess.Popen(
+        self.process = (host.popen if host else subprocess.Popen)(
             [binary, "--bind", f"[::]:{self.port}", "--min_replicas", str(min_replicas),
              "--heartbeat_timeout_ms", str(int(HEARTBEAT_S * 1000)), "--join_timeout_ms",
              "3000"], stdout=self.log.open("w"), stderr=subprocess.STDOUT)
@@ -89,8 +92,8 @@ class Group:
     that a test can kill all of it at once; its output goes to a file the test can watch."""
 
     def __init__(self, workdir: Path, index: int, lighthouse: Lighthouse, *extra: str,
-                 min_replicas: int = 1) -> None:
-        self.index, self.workdir = index, workdir
+                 min_replicas: int = 1, host: Any = None) -> None:
+        self.index, self.workdir, self.host = index, workdir, host
         self.output_dir = workdir / f"runs/group{index}"
         self.checkpoints = workdir / f"checkpoints/group{index}"
         self.log = workdir / f"group{index}.log"
@@ -99,13 +102,16 @@ class Group:
                      "--checkpoint-dir", str(self.checkpoints), *extra]
         self.env = child_env(TORCHFT_LIGHTHOUSE=lighthouse.address, REPLICA_GROUP_ID=str(index),
                              NUM_REPLICA_GROUPS="2", TORCHFT_MIN_REPLICAS=str(min_replicas))
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the project finds it
+            self.env.pop(name, None)
         self.start()
 
     def start(self) -> None:
         self.runs += 1
         out = self.log.with_suffix(f".{self.runs}.log").open("w")
-        self.process = subprocess.Popen(self.args, cwd=self.workdir, env=self.env, stdout=out,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = (self.host.popen if self.host else subprocess.Popen)(
+            self.args, cwd=self.workdir, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
 
     def output(self) -> str:
         return self.log.with_suffix(f".{self.runs}.log").read_text()
@@ -282,3 +288,31 @@ def test_a_group_started_by_mp_spawn_with_a_file_rendezvous_trains(tmp_path, exa
         lighthouse.stop()
     assert result.returncode == 0, result.stdout + result.stderr
     assert "launcher spawn" in result.stdout and "done: 40 steps" in result.stdout
+
+
+@pytest.mark.full
+@needs_torchft
+def test_groups_on_two_hosts_find_each_other_and_one_heals_across_the_network(hosts, tmp_path,
+                                                                              example_task):
+    """Two machines whose host name resolves to loopback (tests/hosts.py), no *_SOCKET_IFNAME:
+    each group advertises its address on the route to the lighthouse, so the other reaches it
+    for the allreduce and for healing."""
+    lighthouse = Lighthouse(tmp_path, host=hosts[0])
+    workdirs = [tmp_path / f"g{i}" for i in range(2)]
+    for workdir in workdirs:
+        workdir.mkdir()
+    first, second = (Group(workdirs[i], i, lighthouse, "--max-steps", "3000", host=hosts[i])
+                     for i in range(2))
+    try:
+        second.wait_for(r"step \d+: 2 replica group\(s\) taking part")
+        first.wait_for(r"step [1-9]\d\d+ loss")
+        second.kill()
+        second.start()
+        second.wait_for(r"healed from a live replica group")
+        first.finish(), second.finish()
+        assert same(first.final_weights(), second.final_weights())
+    finally:
+        for thing in (first, second, lighthouse):
+            if isinstance(thing, Group) and thing.process.poll() is None:
+                thing.kill()
+        lighthouse.stop()

@@ -17,14 +17,17 @@ Start it with train_ft.py instead of train.py, with these set in each group's en
 from __future__ import annotations
 
 import http.server
+import ipaddress
 import logging
 import os
+import socket
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,7 @@ from .distributed import collective_device
 from .environments import World
 from .failures import SetupError
 from .lifeline import Lifeline
+from .network import VARIABLES, route_to
 from .optim import Optimization
 from .train import build_trainer
 from .trainer import Trainer
@@ -93,6 +97,35 @@ def quiet_torchft(log_file: Path) -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
+def reachable_address(replicas: Replicas, backend: str, env: MutableMapping[str, str]) -> str:
+    """The address other groups reach this one at, and the interface the groups' allreduce uses.
+
+    torchft advertises the host name, which many machines resolve to loopback (this one too:
+    Debian maps it to 127.0.1.1), and gloo picks its interface the same way; then the groups on
+    other machines cannot heal from this one, or reach it at all. The address that works is this
+    machine's on the route to the lighthouse. With the lighthouse on this machine there is no such
+    route: then the host name, or the interface set in GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME."""
+    route = route_to(urlsplit(replicas.lighthouse).hostname or "")
+    if route is None or route.loopback or not route.interface:
+        return socket.gethostname()
+    env.setdefault(VARIABLES[backend], route.interface)  # the user's choice wins
+    return route.address
+
+
+def checkpoint_transport(host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint server (what a healing group reads a peer's state from), at
+    `host` rather than at the host name."""
+    from torchft.checkpointing import HTTPTransport
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:
+            url = urlsplit(super().address())
+            name = f"[{host}]" if ":" in host else host
+            return url._replace(netloc=f"{name}:{url.port}").geturl()
+
+    return Transport(timeout=timeout, num_chunks=0)
+
+
 def group_store(world: World, device: torch.device, timeout_s: float) -> tuple[Any, int]:
     """A TCP store for the Manager, on a free port of rank 0 (the launcher's store may be a file,
     or be hidden, as under mp.spawn): the store on rank 0 (None elsewhere) and its port."""
@@ -117,15 +150,19 @@ def start_manager(replicas: Replicas, world: World, backend: str, device: torch.
         raise SetupError(f"this project trains with torchft (fault_tolerance=torchft), but torchft "
                          f"is not installed: {INSTALL}", everywhere=True) from None
     store, port = group_store(world, device, timeout_s)
+    host = reachable_address(replicas, backend, os.environ)
+    # The other groups meet this one's ranks at its store: an address they can reach.
+    store_host = host if is_loopback(world.master_addr) else world.master_addr
     timeout = timedelta(seconds=timeout_s)
     group = ProcessGroupNCCL(timeout=timeout) if backend == "nccl" else ProcessGroupGloo(timeout)
     try:
         return Manager(pg=group, load_state_dict=None, state_dict=None,
                        min_replica_size=replicas.min_replicas, use_async_quorum=False,
                        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-                       rank=world.rank, world_size=world.world_size, store_addr=world.master_addr,
+                       rank=world.rank, world_size=world.world_size, store_addr=store_host,
                        store_port=port, lighthouse_addr=replicas.lighthouse,
-                       replica_id=f"replica_group_{replicas.group}"), store
+                       replica_id=f"replica_group_{replicas.group}", hostname=host,
+                       checkpoint_transport=checkpoint_transport(host, timeout)), store
     except Exception as exc:
         if "connect" not in str(exc):
             raise SetupError(f"torchft's Manager did not start ({_first_line(exc)})",
@@ -285,6 +322,14 @@ def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device
         return summary
     finally:
         manager.shutdown(wait=False)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 def _first_line(exc: BaseException) -> str:
