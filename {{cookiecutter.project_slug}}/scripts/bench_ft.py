@@ -72,9 +72,11 @@ def main(argv: list[str] | None = None) -> int:
             lighthouse.kill()
             lighthouse.wait()
         plain, ft = median_ms(work / "ddp"), max(median_ms(work / f"g{i}") for i in range(2))
-    print(f"plain DDP, {2 * args.nproc} processes:          median step {plain:.2f} ms\n"
-          f"torchft, 2 groups x {args.nproc} processes:       median step {ft:.2f} ms\n"
-          f"torchft's cost: {ft - plain:+.2f} ms per step ({100 * (ft / plain - 1):+.0f}%)")
+    rows = [(f"plain DDP, {2 * args.nproc} processes", plain),
+            (f"torchft, 2 groups x {args.nproc} processes", ft)]
+    for name, ms in rows:
+        print(f"{name:<36} median step {ms:8.2f} ms")
+    print(f"torchft's cost: {ft - plain:+.2f} ms per step ({100 * (ft / plain - 1):+.0f}%)")
     return 0
 
 
