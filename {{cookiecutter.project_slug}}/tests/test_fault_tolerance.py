@@ -127,7 +127,14 @@ class Group:
         raise AssertionError(f"group {self.index}: no {pattern!r} in\n{self.output()}")
 
     def kill(self) -> None:
-        os.killpg(self.process.pid, signal.SIGKILL)  # the agent and its workers: a lost host
+        """SIGKILL to every process of the group at once, as when its host is lost. (torchrun
+        starts each worker in a session of its own: killing the agent's alone would let the
+        workers see their launcher gone, save and leave in good order.)"""
+        for pid in [*descendants(self.process.pid), self.process.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.process.wait()
 
     def finish(self, timeout: float = 300) -> str:
@@ -141,6 +148,18 @@ class Group:
     def step_gaps(self) -> list[float]:
         ends = json.loads((self.workdir / "steps.json").read_text())["step_ends"]
         return [b - a for a, b in zip(ends, ends[1:], strict=False)]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...)."""
+    found = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                found += [int(child), *descendants(int(child))]
+    except OSError:  # gone meanwhile
+        pass
+    return found
 
 
 @pytest.fixture
@@ -178,8 +197,8 @@ def test_a_lost_group_leaves_the_other_training_and_heals_when_started_again(gro
     first.wait_for(r"step [1-9]\d\d+ loss")  # both groups are past step 100
     second.kill()
     at_kill = max(int(step) for step in re.findall(r"step (\d+) loss", first.output()))
-    second.start()  # at once: it takes seconds to start, and the first must not finish before
     first.wait_for(r"step \d+: 1 replica group\(s\) taking part")
+    second.start()
     healed = int(second.wait_for(r"healed from a live replica group: .* step (\d+)").group(1))
     first.wait_for(r"step \d+: 2 replica group\(s\) taking part", timeout=60)
     out_first, out_second = first.finish(), second.finish()
@@ -307,6 +326,7 @@ def test_groups_on_two_hosts_find_each_other_and_one_heals_across_the_network(ho
         second.wait_for(r"step \d+: 2 replica group\(s\) taking part")
         first.wait_for(r"step [1-9]\d\d+ loss")
         second.kill()
+        first.wait_for(r"step \d+: 1 replica group\(s\) taking part")
         second.start()
         second.wait_for(r"healed from a live replica group")
         first.finish(), second.finish()

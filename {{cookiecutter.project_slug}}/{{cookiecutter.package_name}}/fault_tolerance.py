@@ -16,13 +16,14 @@ Start it with train_ft.py instead of train.py, with these set in each group's en
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import ipaddress
 import logging
 import os
 import socket
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -141,8 +142,8 @@ def group_store(world: World, device: torch.device, timeout_s: float) -> tuple[A
 def start_manager(replicas: Replicas, world: World, backend: str, device: torch.device,
                   timeout_s: float) -> tuple[Any, Any]:
     """torchft's Manager for this rank, and the store it uses (keep it while the Manager runs).
-    Quorums are synchronous (computed at the start of each step, before the forward), so a group
-    heals before it trains, never in the middle of a step."""
+    Quorums are synchronous (computed at the start of each step's backward), so a group heals
+    before it trains, never in the middle of a step."""
     try:
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
@@ -175,7 +176,8 @@ def start_manager(replicas: Replicas, world: World, backend: str, device: torch.
 class FaultTolerantOptimization(Optimization):
     """Optimization whose step averages the gradients across the live replica groups and is
     taken only if every group of this step's quorum got that far (torchft's should_commit). A
-    step that is not committed leaves the weights as they were; its batch is lost."""
+    step that is not committed leaves the weights as they were and is not counted; its batch is
+    lost."""
 
     def __init__(self, manager: Any, lighthouse: str, say: bool, *args: Any,
                  **kwargs: Any) -> None:
@@ -193,8 +195,19 @@ class FaultTolerantOptimization(Optimization):
         """Join this step's quorum (at most once a step); heal from a peer if behind."""
         if self._in_step:
             return
-        try:
+        with self._lighthouse_errors():
+            # Synchronous (use_async_quorum=False): a group that is behind heals here, before its
+            # forward. Every group must use the same mode: a healing group counts itself in the
+            # step's average in this mode and not in the other, so mixing them gives the groups
+            # different weights.
             self.manager.start_quorum()
+        self._in_step = self._joined = True
+
+    @contextlib.contextmanager
+    def _lighthouse_errors(self) -> Iterator[None]:
+        """A quorum or commit that fails: the lighthouse (or this group's manager) is gone."""
+        try:
+            yield
         except SetupError:
             raise
         except Exception as exc:
@@ -205,18 +218,12 @@ class FaultTolerantOptimization(Optimization):
             raise SetupError(f"lost the torchft lighthouse at {self.lighthouse} "
                              f"({_first_line(exc)}); restart it, then the replica groups (they "
                              "resume from their checkpoints)", everywhere=True) from None
-        self._in_step = self._joined = True
-        participants = self.manager.num_participants()
-        if participants != self.participants and self.say:
-            print(f"torchft: step {self.manager.current_step()}: {participants} replica "
-                  f"group(s) taking part", flush=True)
-        self.participants = participants
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.begin_step()  # before the gradients exist: a healing group loads the peer's state
+        self.begin_step()  # this step's quorum, before the gradients are exchanged
         super().backward(loss)
 
-    def step(self) -> None:
+    def step(self) -> bool:
         self.begin_step()
         flat, offset = self._flat, 0
         for p in self.params:
@@ -226,25 +233,27 @@ class FaultTolerantOptimization(Optimization):
             else:
                 part.copy_(p.grad.reshape(-1))
             offset += p.numel()
-        self.manager.allreduce(flat).wait()  # the average over the groups of this step
-        try:
+        with self._lighthouse_errors():
+            self.manager.allreduce(flat).wait()  # the average over the groups of this step
+            participants = self.manager.num_participants()
             commit = self.manager.should_commit()
-        except Exception as exc:
-            raise SetupError(f"lost the torchft manager of this replica group or its lighthouse "
-                             f"at {self.lighthouse} ({_first_line(exc)}); restart the group",
-                             everywhere=True) from None
         self._in_step = False
+        if participants != self.participants and self.say:
+            print(f"torchft: step {self.manager.current_step()}: {participants} replica "
+                  "group(s) taking part", flush=True)
+        self.participants = participants
         if commit:
             offset = 0
             for p in self.params:
                 if p.grad is not None:
                     p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-            super().step()
-        else:
-            self.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()  # the schedule follows the trainer's step count either way
+            return super().step()
+        # Not committed: no update, and the step does not count (the trainer's step stays equal
+        # to the Manager's, which decides who is behind and heals).
+        self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return False
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "torchft": self.manager.state_dict()}

@@ -74,7 +74,9 @@ class Optimization:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One optimizer step; True when it was taken (a subclass may refuse one: then the
+        trainer does not count it)."""
         if self.cfg.clip_grad > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_grad)
@@ -82,6 +84,7 @@ class Optimization:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        return True
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]

@@ -278,7 +278,8 @@ class Trainer:
             self.book.batch_done()
             if not last_in_group:
                 continue
-            self.optim.step()
+            if not self.optim.step():  # refused: the weights did not change, nothing counts
+                continue
             self.step, self.batch_in_epoch = self.step + 1, i + 1
             log, save = self.book.step_done(self.step, i + 1 == total, self._done())
             if self._first_step_s is None:
