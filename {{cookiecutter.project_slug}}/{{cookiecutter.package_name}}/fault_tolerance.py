@@ -41,6 +41,7 @@ from .lifeline import Lifeline
 from .network import VARIABLES, route_to
 from .optim import Optimization
 from .train import build_trainer
+from .train import main as train_main
 from .trainer import Trainer
 
 INSTALL = 'pip install -e ".[ft]"'
@@ -351,6 +352,5 @@ def _first_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .train import main as train_main
-
+    """train.main, with each process running `train_on` above."""
     return train_main(argv, train_fn=train_on)
