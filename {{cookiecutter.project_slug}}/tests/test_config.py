@@ -17,7 +17,9 @@ DOCUMENTED_FLAGS = [
     "--max-steps", "--log-every", "--output-dir", "--nprocs", "--no-progress", "--compile",
     "--find-unused-parameters", "--local-rank", "--local_rank", "--stage-devices", "--async-save",
     "--config", "--model-layout", "--tracker", "--profile-steps", "--run-name", "--eval-only",
-    "--eval-every-steps", "--keep-best", "--early-stop",
+    "--eval-every-steps", "--keep-best", "--early-stop", "--bucket-cap-mb", "--static-graph",
+    "--comm-hook", "--gradient-as-bucket-view", "--no-gradient-as-bucket-view",
+    "--powersgd-rank", "--powersgd-warmup-steps",
 ]
 
 
@@ -51,6 +53,10 @@ def test_both_local_rank_spellings():
     (["--profile-steps", "9:3"], "expected FIRST:LAST"),
     (["--data", "/no/such/file.csv"], "--data /no/such/file.csv: no such file or folder"),
     (["--resume", "/no/such.pt"], "--resume /no/such.pt: no such file or folder"),
+    (["--comm-hook", "int8"], "invalid choice: 'int8'"),
+    (["--bucket-cap-mb", "0"], "--bucket-cap-mb: must be a finite number greater than 0"),
+    (["--powersgd-warmup-steps", "1"], "--powersgd-warmup-steps: must be at least 2"),
+    (["--static-graph", "--grad-accum", "2"], "--static-graph does not work with --grad-accum"),
 ])
 def test_bad_values_exit_2_with_one_line(argv, says, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -113,6 +119,23 @@ def test_a_setting_that_does_nothing_with_another_flag_is_a_warning(tmp_path, ca
     parse_args(["--data", str(data)])  # left at its default: nothing to say
     parse_args(["--dataset-size", "10"])
     assert "warning" not in capsys.readouterr().err
+
+
+def test_ddp_flags_that_do_nothing_with_the_other_answers_are_warnings(capsys):
+    parse_args(["--model-layout", "fsdp", "--bucket-cap-mb", "50", "--comm-hook", "bf16"])
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: --bucket-cap-mb has no effect with --model-layout fsdp (FSDP exchanges "
+        "gradients itself, without DDP)",
+        "warning: --comm-hook has no effect with --model-layout fsdp (FSDP exchanges gradients "
+        "itself, without DDP)"]
+    parse_args(["--model-layout", "data_parallel", "--powersgd-rank", "4"])
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: --powersgd-rank has no effect without --comm-hook powersgd"]
+    cfg = parse_args(["--model-layout", "data_parallel", "--comm-hook", "powersgd",
+                      "--powersgd-rank", "4", "--static-graph"])
+    assert capsys.readouterr().err == ""
+    assert (cfg.comm_hook, cfg.powersgd_rank, cfg.static_graph) == ("powersgd", 4, True)
+    assert cfg.gradient_as_bucket_view and cfg.bucket_cap_mb == 25.0  # the defaults
 
 
 def test_run_name_puts_outputs_and_checkpoints_in_folders_of_their_own():

@@ -35,6 +35,7 @@ DEFAULT_MODEL_LAYOUT = "{{ cookiecutter.model_layout }}"
 DEFAULT_TRACKER = "{{ cookiecutter.tracker }}"
 
 LAYOUTS = ["data_parallel", "model_parallel_2", "fsdp"]
+COMM_HOOKS = ["none", "bf16", "fp16", "powersgd"]
 TRACKERS = ["none", "tensorboard", "wandb", "mlflow"]
 
 
@@ -78,6 +79,12 @@ class Config:
     deterministic: bool = False
     compile: bool = False
     find_unused_parameters: bool = False
+    bucket_cap_mb: float = 25.0
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = True
+    comm_hook: str = "none"
+    powersgd_rank: int = 1
+    powersgd_warmup_steps: int = 1000
     data: str | None = None
     val_fraction: float = 0.1
     num_workers: int = 0
@@ -258,6 +265,24 @@ def build_parser(settings: type | None = None) -> Parser:
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--find-unused-parameters", action="store_true",
                    help="DDP find_unused_parameters (only for models with unused branches)")
+
+    g = p.add_argument_group("DDP's gradient exchange (docs/performance.md says when to change "
+                             "them)")
+    g.add_argument("--bucket-cap-mb", type=_float(0, False, 4096.0), default=d.bucket_cap_mb,
+                   help="size of DDP's gradient buckets: each is all-reduced as soon as its "
+                        "gradients are ready")
+    g.add_argument("--static-graph", action="store_true",
+                   help="DDP static_graph: the same parameters are used in every step")
+    g.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction,
+                   default=d.gradient_as_bucket_view,
+                   help="gradients live inside DDP's buckets (no copy in and out)")
+    g.add_argument("--comm-hook", choices=COMM_HOOKS, default=d.comm_hook,
+                   help="none: all-reduce as is; bf16/fp16: send half the bytes; powersgd: "
+                        "low-rank compression")
+    g.add_argument("--powersgd-rank", type=_int(1, 64), default=d.powersgd_rank,
+                   help="--comm-hook powersgd: rank of each gradient's approximation")
+    g.add_argument("--powersgd-warmup-steps", type=_int(2), default=d.powersgd_warmup_steps,
+                   help="--comm-hook powersgd: steps of plain all-reduce before compression")
 
     g = p.add_argument_group("data and model (task.py reads these)")
     g.add_argument("--data", default=d.data, metavar="PATH",
@@ -452,9 +477,22 @@ def parse_args(argv: list[str] | None = None) -> Config:
     return cfg
 
 
+# Flags that only change DDP, and those that only change --comm-hook powersgd.
+DDP_ONLY = ("bucket_cap_mb", "static_graph", "gradient_as_bucket_view", "comm_hook")
+POWERSGD_ONLY = ("powersgd_rank", "powersgd_warmup_steps")
+
+
 def unused_settings(cfg: Config) -> list[str]:
-    """Task settings changed from their default that do nothing with the rest of the run."""
+    """Settings given (or, for the task's, changed from their default) that do nothing with the
+    rest of the run."""
     found = []
+    if cfg.model_layout == "fsdp":
+        found += [f"--{name.replace('_', '-')} has no effect with --model-layout fsdp (FSDP "
+                  "exchanges gradients itself, without DDP)" for name in DDP_ONLY
+                  if name in cfg.given]
+    if cfg.comm_hook != "powersgd":
+        found += [f"--{name.replace('_', '-')} has no effect without --comm-hook powersgd"
+                  for name in POWERSGD_ONLY if name in cfg.given]
     for f in dataclasses.fields(cfg.task):
         other = f.metadata.get("unused_with")
         value = getattr(cfg.task, f.name)
@@ -492,6 +530,11 @@ def problems(cfg: Config) -> list[str]:
                      f"{Path(cfg.step_times) / 'steps.json'}")
     if cfg.stage_devices and cfg.model_layout != "model_parallel_2":
         found.append("--stage-devices only applies to --model-layout model_parallel_2")
+    if cfg.static_graph and cfg.grad_accum > 1:
+        # DDP's no_sync with static_graph fails (pytorch/pytorch#143580) and, patched past
+        # that, stops exchanging gradients: a wrong run, so refused.
+        found.append("--static-graph does not work with --grad-accum above 1 (a PyTorch bug in "
+                     "DDP's no_sync with static_graph); drop one of them")
     if cfg.sync_bn and cfg.model_layout == "fsdp":
         found.append("--sync-bn does not work with --model-layout fsdp; drop --sync-bn")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():

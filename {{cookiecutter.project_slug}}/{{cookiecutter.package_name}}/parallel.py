@@ -112,7 +112,9 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
     # A model spread over two devices (or on the CPU) is wrapped without device_ids.
     single_cuda = len(set(devices)) == 1 and devices[0].type == "cuda"
     wrapped: nn.Module = DDP(model, device_ids=[devices[0]] if single_cuda else None,
-                             find_unused_parameters=cfg.find_unused_parameters)
+                             find_unused_parameters=cfg.find_unused_parameters,
+                             bucket_cap_mb=cfg.bucket_cap_mb, static_graph=cfg.static_graph,
+                             gradient_as_bucket_view=cfg.gradient_as_bucket_view)
     return torch.compile(wrapped) if cfg.compile else wrapped
 
 

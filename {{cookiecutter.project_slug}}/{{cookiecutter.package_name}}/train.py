@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import task
+from .comm_hooks import register_comm_hook
 from .config import Config, parse_args
 from .data import ShardedBatchSampler, build_loader, validation_batches, worker_context
 from .distributed import (
@@ -112,6 +113,7 @@ def build_trainer(cfg: Config, world: World, backend: str, devices: list[torch.d
     seed_everything(cfg.seed)  # the same data and the same initial model on every rank
     data = build_data(cfg, world, devices[0], collective_device(backend, devices[0]), share)
     model = parallelize(build_model(cfg), cfg, devices, task, world.is_main)
+    comm_hook = register_comm_hook(model, cfg)
     steps_per_epoch = math.ceil(data.batches.batches_per_epoch() / cfg.grad_accum)
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     # fsdp on a GPU casts through its mixed-precision policy instead of autocast.
@@ -119,7 +121,7 @@ def build_trainer(cfg: Config, world: World, backend: str, devices: list[torch.d
     optim = optimization(model, cfg, devices[0], total_steps, autocast=autocast,
                          configure=getattr(task, "configure_optimizer", None))
     trainer = Trainer(cfg, world, task, model, optim, data,
-                      Runtime(devices[0], backend, lifeline, STARTED_AT))
+                      Runtime(devices[0], backend, lifeline, STARTED_AT, comm_hook))
     seed_everything(cfg.seed + world.rank)  # different random streams per rank from here on
     return trainer
 

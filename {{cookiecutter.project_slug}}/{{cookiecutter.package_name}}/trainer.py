@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import sharded
 from .checkpoint import CheckpointDir, Staging, checkpoint_path
+from .comm_hooks import PowerSGD
 from .config import Config
 from .data import ShardedBatchSampler, move_to
 from .distributed import collective_device
@@ -71,6 +72,7 @@ class Runtime:
     backend: str
     lifeline: Lifeline
     started_at: float  # process start: for "time to first step"
+    comm_hook: PowerSGD | None = None  # --comm-hook with state to checkpoint
 
 
 class Trainer:
@@ -81,6 +83,7 @@ class Trainer:
         self.data_notes = data.notes
         self.device, self.backend = runtime.device, runtime.backend
         self.lifeline, self.started_at = runtime.lifeline, runtime.started_at
+        self.comm_hook = runtime.comm_hook
         device, backend = runtime.device, runtime.backend
         self.raw = unwrap(model)  # the user's module: state_dicts without prefixes
         self.comm_device = collective_device(backend, device)  # for our own collectives
@@ -138,6 +141,11 @@ class Trainer:
                              "--resume with an older one, or --resume never",
                              everywhere=True) from exc
         self.optim.load_state_dict(meta["optim"])
+        if self.comm_hook is not None and meta.get("comm_hook") is not None:
+            if not self.comm_hook.load_state_dict(meta["comm_hook"], self.world.rank,
+                                                  self.world.world_size) and self.world.is_main:
+                print("note: PowerSGD starts without the checkpoint's error feedback (saved by "
+                      "another number of processes)", flush=True)
         self.last_loss, self.tracker_run_id = meta.get("last_loss"), meta.get("tracker_run_id")
         self.epoch, self.batch_in_epoch, self.step = restore_position(
             meta, self.cfg, self.world.world_size, self.batches.batches_per_epoch(), path,
@@ -195,6 +203,8 @@ class Trainer:
             self.dcp.save(self.raw, self.optim.optimizer, rng, meta, self.step,
                           self._prepare_folder)
         else:
+            if self.comm_hook is not None:  # every rank's part: a collective
+                meta["comm_hook"] = self.comm_hook.state_dict(self.comm_device)
             agree(lambda: self._write_file(rng, meta), self.comm_device)
         self._saved_step = self.step
         self._stalls_ms.append(1000 * (time.perf_counter() - started))

@@ -1,0 +1,198 @@
+"""--comm-hook: how DDP exchanges gradients. `none` is DDP's own all-reduce in the gradients'
+dtype; `fp16` and `bf16` halve the bytes sent (the gradients are cast, summed, and cast back);
+`powersgd` sends a low-rank approximation of each weight matrix's gradient (PowerSGD, with error
+feedback) after --powersgd-warmup-steps steps of plain all-reduce.
+
+PowerSGD keeps state between steps (each rank's error feedback and the shared low-rank factors),
+and it goes into every checkpoint, so a resumed run continues bit for bit. Torch keys that state
+by DDP's gradient bucket, and a new DDP's first step puts every parameter in one bucket before it
+settles on its real buckets; so it is kept here per parameter and cut into whatever buckets DDP
+uses at the moment.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .config import Config
+from .failures import SetupError
+
+
+# The hooks' `bucket` is a dist.GradBucket. It is not annotated: DDP compares the annotation with
+# that class, and with postponed annotations it would see a string and refuse the hook.
+def bf16_compress(process_group: Any, bucket):
+    """torch's bf16_compress_hook. Called through this function because DDP refuses that hook by
+    its name unless NCCL is there, though gloo sums bf16 tensors too."""
+    return default_hooks.bf16_compress_hook(process_group, bucket)
+
+
+def register_comm_hook(model: nn.Module, cfg: Config) -> PowerSGD | None:
+    """Register --comm-hook on the DDP inside `model`; returns the hook whose state goes into
+    checkpoints (PowerSGD), else None. Does nothing for fsdp (no DDP there)."""
+    ddp = getattr(model, "_orig_mod", model)  # inside torch.compile
+    if cfg.comm_hook == "none" or not isinstance(ddp, DDP):
+        return None
+    if cfg.comm_hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None
+    if cfg.comm_hook == "bf16":
+        ddp.register_comm_hook(None, bf16_compress)
+        return None
+    if importlib.util.find_spec("numpy") is None:
+        raise SetupError("--comm-hook powersgd needs numpy (torch's PowerSGD draws its random "
+                         "projections with it): pip install numpy", everywhere=True)
+    return PowerSGD(ddp, cfg.powersgd_rank, cfg.powersgd_warmup_steps)
+
+
+class PowerSGD:
+    """torch's PowerSGD hook, with its state saved and restored per parameter."""
+
+    CHECK_STEPS = 3  # DDP settles its buckets after its first step; check them until then
+
+    def __init__(self, ddp: DDP, rank: int, warmup_steps: int) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        self.torch_hook = powerSGD_hook
+        # Error feedback and warm start on (torch's defaults); the warm-up must be at least 2
+        # steps, so that DDP's first step (one bucket of everything) is a plain all-reduce.
+        self.state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=rank,
+            start_powerSGD_iter=max(2, warmup_steps), random_seed=0)
+        self.params = [p for p in ddp.module.parameters() if p.requires_grad]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.layout: dict[int, tuple[int, ...]] = {}  # bucket index -> parameter indices
+        self.owner: dict[int, int] = {}  # parameter index -> its bucket's index
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}  # loaded, not yet in a bucket
+        self._steps_checked = 0
+        # With gloo, the hook's chained collectives run in gloo's threads, and two buckets in
+        # flight at once can issue theirs in another order on each rank: a hang (seen with
+        # several buckets). There, a bucket starts once the one before has finished.
+        self.one_bucket_at_a_time = dist.get_backend() != "nccl"
+        self._previous: torch.futures.Future | None = None
+        ddp.register_comm_hook(self.state, self._hook)
+
+    def _hook(self, state: Any, bucket):
+        if self._steps_checked < self.CHECK_STEPS:
+            self._fit_state_to(bucket)
+            self._steps_checked += bucket.is_last()  # bucket 0, the last of a step
+        if self._previous is not None:
+            self._previous.wait()
+        future = self.torch_hook.powerSGD_hook(state, bucket)
+        if self.one_bucket_at_a_time:
+            self._previous = None if bucket.is_last() else future
+        return future
+
+    # ------------------------------------------------------------ per bucket <-> per parameter
+    def _fit_state_to(self, bucket: dist.GradBucket) -> None:
+        """Make the state of `bucket.index()` that of this bucket's parameters: after DDP
+        changed its buckets, or after a checkpoint was loaded."""
+        params = tuple(self.index[id(p)] for p in bucket.parameters())
+        key = bucket.index()
+        if self.layout.get(key) == params:
+            return
+        if key in self.layout or any(self.owner.get(i, key) != key for i in params):
+            # DDP changed its buckets: the state goes back to the parameters, then into the
+            # new buckets as they come.
+            self.pending.update(self._per_parameter())
+            for kept in (self.state.error_dict, self.state.p_memory_dict,
+                         self.state.q_memory_dict, self.layout, self.owner):
+                kept.clear()
+        self.layout[key] = params
+        self.owner.update((i, key) for i in params)
+        if params and all(i in self.pending for i in params):
+            self._materialize(key, params, bucket.buffer())
+
+    def _shapes(self, params: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """(parameter, rows, rank) of each matrix PowerSGD compresses in a bucket, in the order
+        its hook packs their factors: grouped by shape, shapes in order of appearance."""
+        by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i in params:
+            n = self.params[i].shape[0]  # the hook views each gradient as (rows, rest)
+            m = self.params[i].numel() // n
+            r = min(n, m, self.state.matrix_approximation_rank)
+            if self.torch_hook._should_compress(n, m, r, self.state.min_compression_rate)[0]:
+                by_shape[(n, m)].append(i)
+        return [(i, n, min(n, m, self.state.matrix_approximation_rank))
+                for (n, m), members in by_shape.items() for i in members]
+
+    def _per_parameter(self) -> dict[int, dict[str, torch.Tensor]]:
+        """The state of every bucket cut into the parameters' pieces."""
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for key, params in self.layout.items():
+            error, q = self.state.error_dict.get(key), self.state.q_memory_dict.get(key)
+            offset = 0
+            for i in params:
+                n = self.params[i].numel()
+                out[i] = {} if error is None else {"error": error[offset:offset + n].clone()}
+                offset += n
+            offset = 0
+            for i, rows, r in self._shapes(params):
+                cols = self.params[i].numel() // rows * r
+                if q is not None:
+                    out[i]["q"] = q[offset:offset + cols].clone()
+                offset += cols
+        return out
+
+    def _materialize(self, key: int, params: tuple[int, ...], buffer: torch.Tensor) -> None:
+        pieces = [self.pending[i] for i in params]
+        if all("error" in piece for piece in pieces):
+            self.state.error_dict[key] = torch.cat([piece["error"] for piece in pieces]).to(
+                buffer.device, buffer.dtype)
+        shapes = self._shapes(params)
+        if shapes and all("q" in self.pending[i] for i, _, _ in shapes):
+            self.state.q_memory_dict[key] = torch.cat(
+                [self.pending[i]["q"] for i, _, _ in shapes]).to(buffer.device, buffer.dtype)
+            # P is only written into (from the gradient and Q): its size is what matters.
+            self.state.p_memory_dict[key] = torch.empty(sum(rows * r for _, rows, r in shapes),
+                                                        device=buffer.device, dtype=buffer.dtype)
+        for i in params:
+            del self.pending[i]
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self, comm_device: torch.device) -> dict[str, Any]:
+        """Every rank's state (a collective: every rank calls it), as tensors and plain types.
+        Error feedback is each rank's own: a checkpoint holds world size x the gradients."""
+        pieces = {**self.pending, **self._per_parameter()}
+        names = sorted((i, kind) for i, piece in pieces.items() for kind in piece)
+        mine = (torch.cat([pieces[i][kind].cpu() for i, kind in names]) if names
+                else torch.zeros(0))
+        gathered = [torch.empty_like(mine, device=comm_device)
+                    for _ in range(dist.get_world_size())]
+        if names:  # the same on every rank: the same buckets
+            dist.all_gather(gathered, mine.to(comm_device))
+        _, keys, pos, has_gauss, gauss = self.state.rng.get_state()
+        return {"iter": self.state.iter,
+                "rng": [torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss),
+                        float(gauss)],
+                "pieces": [[i, kind, pieces[i][kind].numel()] for i, kind in names],
+                "values": torch.stack([g.cpu() for g in gathered])}
+
+    def load_state_dict(self, saved: dict[str, Any], rank: int, world_size: int) -> bool:
+        """This rank's part of a checkpoint's state; False (state left fresh) if it came from
+        another world size, whose error feedback belongs to other ranks."""
+        if saved["values"].shape[0] != world_size:
+            return False
+        import numpy as np
+
+        keys, pos, has_gauss, gauss = saved["rng"]
+        self.state.rng.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss,
+                                  gauss))
+        self.state.iter = saved["iter"]
+        values, offset = saved["values"][rank], 0
+        self.pending = {}
+        for i, kind, n in saved["pieces"]:
+            self.pending.setdefault(i, {})[kind] = values[offset:offset + n].clone()
+            offset += n
+        for kept in (self.state.error_dict, self.state.p_memory_dict, self.state.q_memory_dict,
+                     self.layout, self.owner):
+            kept.clear()
+        self._steps_checked = 0
+        return True
