@@ -172,6 +172,45 @@ class StepProfiler:
             print(f"profile of steps {first}-{last}: {self.folder.resolve()}", flush=True)
 
 
+# Dense bf16 peak FLOP/s of one device, what MFU is a fraction of. Others (CPUs, other GPUs,
+# the PCIe and NVL H100s) have no entry, and their MFU is null.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    if "H100" in name and ("PCIe" in name or "NVL" in name):
+        return None
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
+
+
+class Throughput:
+    """Tokens/s and MFU (model FLOPs utilisation) from samples/s, for a task that says how many
+    tokens a sample has (`task.tokens_per_sample(cfg)`) and, for MFU, what a token costs to train
+    (`task.flops_per_token(model, cfg)`). MFU = FLOPs per token x tokens/s / (peak of one device
+    x devices); null where the peak is unknown."""
+
+    def __init__(self, task: Any, model: torch.nn.Module, cfg: Any, device: torch.device,
+                 devices: int) -> None:
+        count = getattr(task, "tokens_per_sample", None)
+        self.tokens_per_sample = count(cfg) if count else None
+        cost = getattr(task, "flops_per_token", None)
+        peak = peak_flops(device)
+        self.flops_per_s_peak = peak * devices if peak else None
+        self.flops_per_token = cost(model, cfg) if cost and peak else None
+
+    def of(self, samples_per_s: float) -> dict[str, float | None]:
+        if self.tokens_per_sample is None:
+            return {}
+        tokens_per_s = samples_per_s * self.tokens_per_sample
+        mfu = (tokens_per_s * self.flops_per_token / self.flops_per_s_peak
+               if self.flops_per_token else None)
+        return {"tokens_per_s": round(tokens_per_s, 1),
+                "mfu": None if mfu is None else round(mfu, 4)}
+
+
 def log_step_stats(loss_sum: torch.Tensor, count: int, stop: bool, device: torch.device,
                    comm_device: torch.device) -> tuple[float, bool, list[float], list[float]]:
     """One all_reduce for a log step: the mean loss over ranks and steps, whether any rank was

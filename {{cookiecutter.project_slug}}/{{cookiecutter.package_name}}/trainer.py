@@ -38,6 +38,7 @@ from .metrics import (
     Progress,
     StepClock,
     StepProfiler,
+    Throughput,
     log_step_stats,
 )
 from .optim import Optimization
@@ -99,6 +100,8 @@ class Trainer:
                                 cfg.save_every_steps)
         self.metrics = MetricsWriter(cfg.output_dir, False)  # rank 0's real one opens in train()
         self.selection = ModelSelection(cfg.keep_best, cfg.early_stop)
+        devices = 2 if cfg.model_layout == "model_parallel_2" else 1  # per process
+        self.throughput = Throughput(task, self.raw, cfg, device, devices * world.world_size)
 
         # Position: the epoch being trained, the batches of it already done, optimizer steps.
         self.epoch, self.batch_in_epoch, self.step = 0, 0, 0
@@ -376,7 +379,8 @@ class Trainer:
         self._loss_sum.zero_()
         self._loss_count, self._samples, self._last_log_time = 0, 0, now
         record = {"step": self.step, "epoch": epoch, "loss": loss, "lr": self.optim.lr(),
-                  "samples_per_s": round(samples_per_s, 1), "time_s": round(now - self._start, 3),
+                  "samples_per_s": round(samples_per_s, 1),
+                  **self.throughput.of(samples_per_s), "time_s": round(now - self._start, 3),
                   "peak_mem_mb": self.peak_mem_mb}
         if self.device.type == "cuda":
             record["peak_reserved_mb"] = self.peak_reserved_mb
@@ -444,7 +448,11 @@ class Trainer:
                 self.ckpt_dir.close()
         if self.world.is_main:
             loss = "n/a" if self.last_loss is None else f"{self.last_loss:.5f}"
-            print(f"throughput: {summary['samples_per_s']:.0f} samples/s, median step "
+            tokens = (f"{summary['tokens_per_s']:.0f} tokens/s, " if "tokens_per_s" in summary
+                      else "")
+            if summary.get("mfu") is not None:
+                tokens += f"MFU {100 * summary['mfu']:.1f}%, "
+            print(f"throughput: {summary['samples_per_s']:.0f} samples/s, {tokens}median step "
                   f"{summary['median_step_ms']} ms, first step {summary['time_to_first_step_s']} s "
                   f"after start\ndone: {self.step} steps, final loss {loss}\n"
                   f"checkpoints: {Path(self.cfg.checkpoint_dir).resolve()}\n"
@@ -471,6 +479,8 @@ class Trainer:
     def _summary(self) -> dict[str, Any]:
         wall = time.perf_counter() - self._start
         stalls = sorted(self._stalls_ms)
+        # Every rank trains on the same number of samples (the sampler pads): exact.
+        samples_per_s = self._samples_total * self.world.world_size / max(wall, 1e-9)
         return {
             "world_size": self.world.world_size,
             "backend": self.backend,
@@ -479,9 +489,8 @@ class Trainer:
             "epochs_completed": self.epoch,
             "steps": self.step,
             "final_loss": self.last_loss,
-            # Every rank trains on the same number of samples (the sampler pads): exact.
-            "samples_per_s": round(self._samples_total * self.world.world_size / max(wall, 1e-9),
-                                   1),
+            "samples_per_s": round(samples_per_s, 1),
+            **self.throughput.of(samples_per_s),
             **self.clock.summary(),
             "checkpoint_stall_ms": round(stalls[len(stalls) // 2], 1) if stalls else None,
             "checkpoint_stall_ms_max": round(stalls[-1], 1) if stalls else None,

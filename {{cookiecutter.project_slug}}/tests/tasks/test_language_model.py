@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import sys
 
-from conftest import PROJECT_ROOT, ok, python_train, read_metrics, run_cmd, torchrun
+import pytest
+import torch
+from conftest import PROJECT_ROOT, ok, python_train, read_metrics, run_cmd, summary, torchrun
 
 from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.config import parse_args
+
+GPT2_SMALL = ["--hidden-size", "768", "--num-layers", "12", "--num-heads", "12", "--seq-len",
+              "1024", "--vocab-size", "50304", "--tie-embeddings"]
 
 
 def test_perplexity_falls_far_below_guessing(workdir):
@@ -29,9 +35,9 @@ def test_text_file_is_read_one_window_at_a_time_by_worker_processes(workdir):
                 workdir))
     final = read_metrics(workdir / "runs/latest", "val_loss")[-1]
     assert final["val_perplexity"] < 4
-    windows = task.TextWindows(workdir / "corpus.txt")
-    assert len(windows) == (len(text) - 1) // task.SEQ_LEN
-    assert bytes(windows[1].tolist()) == text[task.SEQ_LEN:2 * task.SEQ_LEN + 1]
+    windows = task.TextWindows(workdir / "corpus.txt", 64)
+    assert len(windows) == (len(text) - 1) // 64
+    assert bytes(windows[1].tolist()) == text[64:2 * 64 + 1]
 
 
 def test_a_file_shorter_than_two_windows_is_one_error_line(workdir):
@@ -50,3 +56,25 @@ def test_predict_continues_each_prompt(workdir):
     # Each prompt, continued (a continuation may hold line breaks of its own).
     assert result.stdout.startswith("the ") and "\ndata" in result.stdout
     assert len(result.stdout) > len("the \ndata\n") + 40
+
+
+def test_gpt2_small_is_124m_parameters_and_its_flops_per_token():
+    cfg = parse_args(GPT2_SMALL)
+    with torch.device("meta"):  # sizes only: no memory
+        model = task.build_model(cfg)
+    assert model.head.weight is model.embed.weight
+    params = sum(p.numel() for p in model.parameters())
+    assert round(params / 1e6, 1) == 124.5  # nanoGPT's GPT-2 small with this vocabulary
+    # 6 x (all weights but the position table) + 12 x layers x width x context.
+    expected = 6 * (params - 1024 * 768) + 12 * 12 * 768 * 1024
+    assert task.flops_per_token(model, cfg) == expected and task.tokens_per_sample(cfg) == 1024
+
+
+def test_tokens_per_second_and_mfu_are_reported(workdir):
+    ok(torchrun(["--dataset-size", "256", "--epochs", "1", "--hidden-size", "32", "--num-heads",
+                 "2", "--seq-len", "32", "--log-every", "2"], workdir))
+    done, logs = summary(workdir / "runs/latest"), read_metrics(workdir / "runs/latest")
+    for record in [done, *logs]:  # samples/s are rounded to 0.1
+        assert record["tokens_per_s"] == pytest.approx(32 * record["samples_per_s"], abs=2)
+    # MFU needs the device's peak: known for some GPUs, never for a CPU.
+    assert done["mfu"] is None and all(r["mfu"] is None for r in logs)

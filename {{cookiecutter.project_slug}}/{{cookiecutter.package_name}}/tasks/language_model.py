@@ -1,9 +1,12 @@
 """The task: what to learn, from which data, and how to score it. Edit this file, and only this
 file, to train your own model on your own data (README.md, "Your model and data").
 
-This example: a small decoder-only transformer that predicts the next byte of text (a character
-model over the 256 byte values), trained with next-token cross-entropy and scored by perplexity.
-Synthetic text by default; `--data FILE` trains on a text file, read one window of SEQ_LEN + 1
+This example: a decoder-only transformer that predicts the next token of text, trained with
+next-token cross-entropy and scored by perplexity. By default a small character model (one token
+per byte value); its settings scale it up to GPT-2 small (docs/performance.md):
+    --hidden-size 768 --num-layers 12 --num-heads 12 --seq-len 1024 --vocab-size 50304
+    --tie-embeddings
+Synthetic text by default; `--data FILE` trains on a text file, read one window of seq_len + 1
 bytes at a time from disk (use `--num-workers N` to read in worker processes).
 
 The rest of the project relies on:
@@ -14,7 +17,8 @@ The rest of the project relies on:
 Optional: collate(samples) -> batch, blocks(model) -> the model's repeated blocks (used by
 --model-layout model_parallel_2 and fsdp), finalize_metrics(averages) -> what to report,
 configure_optimizer(model, cfg) -> optimizer or (optimizer, scheduler) (default: AdamW),
-predict(model, inputs, cfg) -> one line per input (scripts/predict.py).
+predict(model, inputs, cfg) -> one line per input (scripts/predict.py),
+tokens_per_sample(cfg) and flops_per_token(model, cfg) -> tokens/s and MFU in the metrics.
 """
 
 from __future__ import annotations
@@ -32,10 +36,6 @@ from .config import Config, setting
 from .data import InMemoryDataset, split_for_validation
 from .failures import SetupError
 
-SEQ_LEN = 64  # bytes of context
-VOCAB = 256  # one token per byte value
-HEADS = 4
-
 
 @dataclass
 class Settings:
@@ -47,35 +47,41 @@ class Settings:
                                 low=1, unused_with="data")
     hidden_size: int = setting(64, "width of the transformer", low=1)
     num_layers: int = setting(2, "transformer blocks", low=1)
+    num_heads: int = setting(4, "attention heads (they split --hidden-size)", low=1)
+    seq_len: int = setting(64, "tokens of context", low=1)
+    vocab_size: int = setting(256, "tokens the model knows: 256 is one per byte value (the "
+                              "data's bytes); more only add unused rows (GPT-2: 50304)", low=256)
+    tie_embeddings: bool = setting(False, "the output layer shares the token embedding's "
+                                   "weights, as in GPT-2")
 
 
 # ---------------------------------------------------------------------- data
-def synthetic_text(windows: int, seed: int) -> InMemoryDataset:
+def synthetic_text(windows: int, seq_len: int, seed: int) -> InMemoryDataset:
     """Sentences of made-up words: a model that learns the spelling and the word boundaries gets
     far below the perplexity of guessing (256). Every rank builds the identical text."""
     g = torch.Generator().manual_seed(seed)
     letters = "etaoinshrdlucmfw"
     words = ["".join(letters[i] for i in torch.randint(len(letters), (int(n),), generator=g))
              for n in torch.randint(2, 7, (24,), generator=g)]
-    needed = windows * SEQ_LEN + 1
+    needed = windows * seq_len + 1
     picks = torch.randint(len(words), (needed // 3 + 1,), generator=g).tolist()
     text = (" ".join(words[i] for i in picks) + ". ").encode()[:needed]
     tokens = torch.tensor(list(text), dtype=torch.long)
-    starts = torch.arange(windows) * SEQ_LEN
-    return InMemoryDataset(tokens[starts[:, None] + torch.arange(SEQ_LEN + 1)])
+    starts = torch.arange(windows) * seq_len
+    return InMemoryDataset(tokens[starts[:, None] + torch.arange(seq_len + 1)])
 
 
 class TextWindows(Dataset):
-    """A text file cut into windows of SEQ_LEN + 1 bytes (inputs and next-byte targets); each
+    """A text file cut into windows of seq_len + 1 bytes (inputs and next-byte targets); each
     window is read from disk when asked for."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Path, seq_len: int) -> None:
+        self.path, self.seq_len = Path(path), seq_len
         size = self.path.stat().st_size
-        self.windows = (size - 1) // SEQ_LEN
+        self.windows = (size - 1) // seq_len
         if self.windows < 2:
             raise SetupError(f"--data {path}: {size} bytes; this model needs at least "
-                             f"{2 * SEQ_LEN + 1} (two windows of SEQ_LEN={SEQ_LEN})",
+                             f"{2 * seq_len + 1} (two windows of --seq-len {seq_len})",
                              everywhere=True)
 
     def __len__(self) -> int:
@@ -83,8 +89,8 @@ class TextWindows(Dataset):
 
     def __getitem__(self, index: int) -> torch.Tensor:
         with open(self.path, "rb") as f:
-            f.seek(index * SEQ_LEN)
-            window = f.read(SEQ_LEN + 1)
+            f.seek(index * self.seq_len)
+            window = f.read(self.seq_len + 1)
         return torch.frombuffer(bytearray(window), dtype=torch.uint8).long()
 
 
@@ -92,12 +98,12 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     """Training and validation windows, identical on every rank. Synthetic: --dataset-size windows
     plus --val-fraction of that as validation. A file: --val-fraction of its windows held out."""
     if cfg.data:
-        text = TextWindows(cfg.data)
+        text = TextWindows(cfg.data, cfg.task.seq_len)
         train, val = split_for_validation(len(text), int(len(text) * cfg.val_fraction), cfg.seed)
         return (torch.utils.data.Subset(text, train.tolist()),
                 torch.utils.data.Subset(text, val.tolist()) if len(val) else None)
     n_val = int(cfg.task.dataset_size * cfg.val_fraction)
-    data = synthetic_text(cfg.task.dataset_size + n_val, cfg.seed)
+    data = synthetic_text(cfg.task.dataset_size + n_val, cfg.task.seq_len, cfg.seed)
     train, val = split_for_validation(len(data), n_val, cfg.seed)
     return data.subset(train), data.subset(val) if n_val else None
 
@@ -106,8 +112,9 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention, then an MLP, each with a residual."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, heads: int) -> None:
         super().__init__()
+        self.heads = heads
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
@@ -116,23 +123,27 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, HEADS, c // HEADS).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).permute(
+            2, 0, 3, 1, 4)
         attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(attention.transpose(1, 2).reshape(b, t, c))
         return x + self.mlp(self.norm2(x))
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, width: int = 64, depth: int = 2) -> None:
+    def __init__(self, width: int = 64, depth: int = 2, heads: int = 4, seq_len: int = 64,
+                 vocab: int = 256, tie: bool = False) -> None:
         super().__init__()
-        if width % HEADS:
-            raise SetupError(f"--hidden-size {width} must be a multiple of {HEADS} (attention "
-                             "heads)", everywhere=True)
-        self.embed = nn.Embedding(VOCAB, width)
-        self.position = nn.Parameter(torch.zeros(SEQ_LEN, width))
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        if width % heads:
+            raise SetupError(f"--hidden-size {width} must be a multiple of --num-heads {heads}",
+                             everywhere=True)
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.zeros(seq_len, width))
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, VOCAB, bias=False)
+        self.head = nn.Linear(width, vocab, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.position[:tokens.shape[1]]
@@ -142,11 +153,33 @@ class TinyGPT(nn.Module):
 
 
 def build_model(cfg: Config) -> nn.Module:
-    return TinyGPT(cfg.task.hidden_size, cfg.task.num_layers)
+    t = cfg.task
+    if t.tie_embeddings and cfg.model_layout == "model_parallel_2":
+        raise SetupError("--tie-embeddings: model_parallel_2 puts the embedding and the output "
+                         "layer on different devices, so they cannot share weights; drop "
+                         "--tie-embeddings", everywhere=True)
+    return TinyGPT(t.hidden_size, t.num_layers, t.num_heads, t.seq_len, t.vocab_size,
+                   t.tie_embeddings)
 
 
 def blocks(model: TinyGPT) -> list[nn.Module]:
     return list(model.blocks)
+
+
+def tokens_per_sample(cfg: Config) -> int:
+    return cfg.task.seq_len
+
+
+def flops_per_token(model: TinyGPT, cfg: Config) -> float:
+    """Training FLOPs per token, as nanoGPT and the PaLM paper count them: 6 per weight that
+    multiplies activations (forward 2, backward 4), plus attention's 12 * layers * width *
+    context. Lookups (the position table, and the token table unless the output layer shares it)
+    are not multiplications."""
+    weights = sum(p.numel() for p in model.parameters()) - model.position.numel()
+    if model.head.weight is not model.embed.weight:
+        weights -= model.embed.weight.numel()
+    t = cfg.task
+    return 6 * weights + 12 * t.num_layers * t.hidden_size * t.seq_len
 
 
 # ---------------------------------------------------------------------- loss and metrics
@@ -176,7 +209,7 @@ def predict(model: nn.Module, inputs: list[str], cfg: Config, new_bytes: int = 4
     for prompt in inputs:
         tokens = torch.tensor([list(prompt.encode()) or [10]], dtype=torch.long)  # '' -> '\n'
         for _ in range(new_bytes):
-            logits = model(tokens[:, -SEQ_LEN:])[:, -1]
+            logits = model(tokens[:, -cfg.task.seq_len:])[:, -1]
             tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
         lines.append(bytes(tokens[0].tolist()).decode(errors="replace"))
     return lines
