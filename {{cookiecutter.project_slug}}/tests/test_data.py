@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.data import Dataset
 
 from {{ cookiecutter.package_name }}.data import (
     BatchFetcher,
+    DevicePrefetcher,
     InMemoryDataset,
+    InProcessLoader,
     ShardedBatchSampler,
     build_loader,
     move_to,
+    place_on_device,
     validation_batches,
 )
+
+CPU = torch.device("cpu")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _indices(size, rank, world, epoch, batch_size=8, start_batch=0):
@@ -65,7 +72,7 @@ class PerSample(Dataset):
 def test_batched_data_sets_are_served_one_call_per_batch():
     data = InMemoryDataset(torch.arange(40.0)[:, None], torch.arange(40))
     sampler = ShardedBatchSampler(40, 0, 1, 16, seed=0)
-    batches = list(build_loader(data, sampler, None, 0, False))
+    batches = list(build_loader(data, sampler, None, 0, CPU))
     assert [x.shape[0] for x, _ in batches] == [16, 16, 8]
     first = next(iter(sampler))[1]
     assert torch.equal(batches[0][1], first)
@@ -75,7 +82,7 @@ def test_per_sample_data_sets_are_collated_and_skipped_batches_never_loaded():
     data = PerSample(40)
     sampler = ShardedBatchSampler(40, 0, 1, 8, seed=0)
     sampler.set_epoch(0, start_batch=3)
-    batches = list(build_loader(data, sampler, None, 0, False))
+    batches = list(build_loader(data, sampler, None, 0, CPU))
     assert data.calls == 16, "batches before the start batch must not be read"
     assert [b["x"].shape for b in batches] == [(8, 3), (8, 3)]
 
@@ -98,7 +105,7 @@ def test_worker_loader_equals_in_process_loader_and_its_randomness_is_per_batch(
     def run(workers, start):
         sampler = ShardedBatchSampler(50, 1, 2, 8, seed=5)
         sampler.set_epoch(3, start_batch=start)
-        return list(build_loader(data, sampler, None, workers, False))
+        return list(build_loader(data, sampler, None, workers, CPU))
 
     base = run(0, 0)
     for workers in (1, 2):
@@ -123,3 +130,51 @@ def test_move_to_handles_nested_batches():
     batch = {"a": (torch.zeros(2), [torch.ones(1)]), "b": "text"}
     moved = move_to(batch, torch.device("cpu"))
     assert moved["b"] == "text" and torch.equal(moved["a"][1][0], torch.ones(1))
+
+
+def test_on_the_cpu_nothing_is_prefetched_or_moved():
+    data = InMemoryDataset(torch.arange(40.0)[:, None])
+    assert place_on_device(data, CPU, 0, "auto") is data
+    loader = build_loader(data, ShardedBatchSampler(40, 0, 1, 8, seed=0), None, 0, CPU)
+    assert type(loader) is InProcessLoader
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_prefetched_batches_arrive_on_the_gpu_equal_and_in_order(workers):
+    gpu = torch.device("cuda", 0)
+    data = PerSample(50)
+
+    def batches(device):
+        sampler = ShardedBatchSampler(50, 0, 1, 8, seed=5)
+        return list(build_loader(data, sampler, None, workers, device))
+
+    on_cpu, on_gpu = batches(CPU), batches(gpu)
+    assert all(b["x"].device == gpu for b in on_gpu)
+    assert [b["x"].tolist() for b in on_gpu] == [b["x"].tolist() for b in on_cpu]
+
+
+@needs_cuda
+def test_prefetched_in_memory_batches_are_the_sampled_ones():
+    gpu = torch.device("cuda", 0)
+    big = InMemoryDataset(torch.randn(64, 1024, 1024))  # 4 MiB a sample: copies take a while
+    sampler = ShardedBatchSampler(64, 0, 1, 16, seed=0)
+    prefetcher = build_loader(big, sampler, None, 0, gpu)
+    assert isinstance(prefetcher, DevicePrefetcher)
+    seen = []
+    for batch in prefetcher:
+        seen.append(batch.sum().item())
+    expected = [big.tensors[0][idx].sum().item() for _, idx in sampler]
+    assert seen == pytest.approx(expected, rel=1e-5)
+
+
+@needs_cuda
+def test_an_in_memory_data_set_that_fits_lives_on_the_gpu():
+    gpu = torch.device("cuda", 0)
+    data = InMemoryDataset(torch.arange(40.0)[:, None], torch.arange(40))
+    placed = place_on_device(data, gpu, 0, "auto")
+    assert all(t.is_cuda for t in placed.tensors)
+    x, y = placed.__getitems__(torch.tensor([3, 1]))
+    assert x.is_cuda and y.tolist() == [3, 1]
+    assert place_on_device(data, gpu, 2, "auto") is data  # workers read host memory
+    assert place_on_device(data, gpu, 0, "never") is data

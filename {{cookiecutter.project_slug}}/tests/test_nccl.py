@@ -81,3 +81,10 @@ def test_nccl_resume_is_exact_on_the_gpu(workdir):
     ok(python_train([*args, "--checkpoint-dir", "b", "--max-steps", "11"], workdir))
     ok(python_train([*args, "--checkpoint-dir", "b"], workdir))
     assert_same_model(final_model(workdir / "a"), final_model(workdir / "b"))
+
+
+def test_data_on_the_gpu_trains_to_the_same_weights_as_copied_batches(workdir):
+    args = ["--backend", "nccl", "--epochs", "2", "--dataset-size", "512", "--deterministic"]
+    ok(python_train([*args, "--checkpoint-dir", "a"], workdir))
+    ok(python_train([*args, "--checkpoint-dir", "b", "--data-on-device", "never"], workdir))
+    assert_same_model(final_model(workdir / "a"), final_model(workdir / "b"))

@@ -88,6 +88,7 @@ class Config:
     data: str | None = None
     val_fraction: float = 0.1
     num_workers: int = 0
+    data_on_device: str = "auto"
     sync_bn: bool = False
     model_layout: str = DEFAULT_MODEL_LAYOUT
     stage_devices: list[str] = field(default_factory=list)
@@ -291,6 +292,9 @@ def build_parser(settings: type | None = None) -> Parser:
                    help="share of the data held out and evaluated after every epoch, 0 = none")
     g.add_argument("--num-workers", type=_int(0, 64), default=d.num_workers,
                    help="DataLoader worker processes per rank (0: batches are made in-process)")
+    g.add_argument("--data-on-device", choices=["auto", "never"], default=d.data_on_device,
+                   help="auto: on a GPU, an in-memory data set that takes at most a quarter of "
+                        "the free memory lives there (no copy per step; --num-workers 0 only)")
     g.add_argument("--sync-bn", action="store_true",
                    help="convert BatchNorm to SyncBatchNorm (CUDA only; a warning on CPU)")
     g.add_argument("--model-layout", choices=LAYOUTS, default=d.model_layout,

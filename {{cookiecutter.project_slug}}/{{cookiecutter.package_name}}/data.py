@@ -10,6 +10,9 @@
   or in DataLoader worker processes. In workers, each batch's random numbers are seeded from
   (seed, rank, epoch, batch), so random augmentation does not depend on which worker made the
   batch or on whether the run was resumed.
+- On a GPU, `DevicePrefetcher` copies the next batch to the device while the current step runs,
+  and `place_on_device` keeps an in-memory data set that fits on the device (no copy at all).
+  On the CPU neither does anything.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ class InMemoryDataset(Dataset):
         return self.__getitems__(index)
 
     def __getitems__(self, indices: torch.Tensor) -> Any:
+        if self.tensors[0].is_cuda:  # pinned, the indices' copy does not wait for the GPU
+            indices = torch.as_tensor(indices).pin_memory().to(self.tensors[0].device,
+                                                               non_blocking=True)
         if len(self.tensors) == 1:
             return self.tensors[0][indices]
         return tuple(t[indices] for t in self.tensors)
@@ -190,9 +196,9 @@ class InProcessLoader:
     sampler, without its per-batch bookkeeping (about 20 us a step, a few percent of a small
     model's step).
 
-    It does not pin memory: pinning here would be one more copy on the training thread, and the
-    copy to the GPU from ordinary memory is staged by the driver at about the same cost. Pinning
-    pays off in DataLoader workers (`--num-workers`), whose pin thread runs beside training.
+    On a GPU, DevicePrefetcher pins its batches: one more host copy on the training thread, which
+    buys a copy to the device that overlaps the step (from ordinary memory it would not). With
+    `--num-workers`, DataLoader's pin thread does that beside training.
     """
 
     def __init__(self, fetcher: BatchFetcher, batches: Any) -> None:
@@ -242,8 +248,9 @@ def worker_context() -> Any:
 
 
 def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_workers: int,
-                 pin_memory: bool) -> InProcessLoader | DataLoader:
-    """A loader over `batches` (a ShardedBatchSampler or FixedBatches) of `dataset`.
+                 device: torch.device) -> InProcessLoader | DataLoader | DevicePrefetcher:
+    """A loader over `batches` (a ShardedBatchSampler or FixedBatches) of `dataset`; on a GPU it
+    prefetches to the device.
 
     Worker processes start from a forkserver, not by forking the training process: its gloo and
     NCCL threads can hold a lock of the interpreter at the moment of a fork, and the forked worker
@@ -252,15 +259,72 @@ def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_w
     Windows), and a script that starts training needs `if __name__ == "__main__":`.
     """
     fetcher = BatchFetcher(dataset, collate)
+    on_gpu = device.type == "cuda"
     if num_workers == 0:
-        return InProcessLoader(fetcher, batches)
+        loader = InProcessLoader(fetcher, batches)
+        return DevicePrefetcher(loader, device, pin=True) if on_gpu else loader
     # A generator of its own: DataLoader draws its workers' base seed from it whenever an iterator
     # starts, and from the global one without it. A resumed run starts its iterator at another
     # step than the run it continues, so dropout (global RNG) would then differ from there on.
     # Workers are seeded per batch (_worker_init), so this seed changes nothing they draw.
-    return DataLoader(fetcher, batch_sampler=batches, collate_fn=_as_is, num_workers=num_workers,
-                      pin_memory=pin_memory, persistent_workers=True, worker_init_fn=_worker_init,
-                      multiprocessing_context=worker_context(), generator=torch.Generator())
+    loader = DataLoader(fetcher, batch_sampler=batches, collate_fn=_as_is,
+                        num_workers=num_workers, pin_memory=on_gpu, persistent_workers=True,
+                        worker_init_fn=_worker_init, multiprocessing_context=worker_context(),
+                        generator=torch.Generator())
+    return DevicePrefetcher(loader, device, pin=False) if on_gpu else loader
+
+
+def place_on_device(dataset: Dataset, device: torch.device, num_workers: int,
+                    policy: str) -> Dataset:
+    """--data-on-device auto: an InMemoryDataset moves to the GPU when it takes at most a quarter
+    of the free memory and batches are made in this process; batches are then cut on the GPU
+    and nothing is copied per step. Anything else stays where it is."""
+    if (policy == "never" or device.type != "cuda" or num_workers > 0
+            or not isinstance(dataset, InMemoryDataset)):
+        return dataset
+    size = sum(t.numel() * t.element_size() for t in dataset.tensors)
+    if size > torch.cuda.mem_get_info(device)[0] // 4:
+        return dataset
+    return InMemoryDataset(*(t.to(device) for t in dataset.tensors))
+
+
+class DevicePrefetcher:
+    """A loader's batches on a GPU, each copied there while the step before it runs.
+
+    The copy runs on a stream of its own, from pinned memory (DataLoader workers pin theirs;
+    batches made in this process are pinned here), so it overlaps the step's kernels. The step's
+    stream waits for the copy's event before it uses the batch, and `record_stream` tells the
+    allocator the step uses that memory, so it is not handed out again while the step runs."""
+
+    def __init__(self, loader: Any, device: torch.device, pin: bool) -> None:
+        self.loader, self.device, self.pin = loader, device, pin
+        self.stream = torch.cuda.Stream(device)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def _start_copy(self, batch: Any) -> tuple[Any, torch.cuda.Event]:
+        if self.pin:
+            batch = _apply(batch, lambda t: t if t.is_cuda else t.pin_memory())
+        with torch.cuda.stream(self.stream):
+            batch = _apply(batch, lambda t: t.to(self.device, non_blocking=True))
+            return batch, self.stream.record_event()
+
+    def _ready(self, batch: Any, copied: torch.cuda.Event) -> Any:
+        step = torch.cuda.current_stream(self.device)
+        step.wait_event(copied)
+        _apply(batch, lambda t: t.record_stream(step) if t.is_cuda else t)
+        return batch
+
+    def __iter__(self) -> Iterator[Any]:
+        upcoming = None
+        for batch in self.loader:
+            started = self._start_copy(batch)  # before the step of the batch before it
+            if upcoming is not None:
+                yield self._ready(*upcoming)
+            upcoming = started
+        if upcoming is not None:
+            yield self._ready(*upcoming)
 
 
 def _apply(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -26,7 +26,13 @@ import torch.multiprocessing as mp
 from . import task
 from .comm_hooks import register_comm_hook
 from .config import Config, parse_args
-from .data import ShardedBatchSampler, build_loader, validation_batches, worker_context
+from .data import (
+    ShardedBatchSampler,
+    build_loader,
+    place_on_device,
+    validation_batches,
+    worker_context,
+)
 from .distributed import (
     assign_devices,
     cleanup,
@@ -75,22 +81,24 @@ def build_data(cfg: Config, world: World, device: torch.device, comm_device: tor
     """task.build_datasets, sharded: this rank's batches (share `index` of `count`, by default
     rank of world size), their loader, and the evaluator of the validation set (None without
     one)."""
-    pin_memory = device.type == "cuda"
     train_set, val_set = task.build_datasets(cfg)
     if len(train_set) == 0:
         raise SetupError("task.build_datasets returned an empty training set", everywhere=True)
     collate = getattr(task, "collate", None)
     index, count = share or (world.rank, world.world_size)
     batches = ShardedBatchSampler(len(train_set), index, count, cfg.batch_size, cfg.seed)
-    loader = build_loader(train_set, batches, collate, cfg.num_workers, pin_memory)
+    summary = dict(getattr(train_set, "summary", {}))
+    train_set = place_on_device(train_set, device, cfg.num_workers, cfg.data_on_device)
+    loader = build_loader(train_set, batches, collate, cfg.num_workers, device)
     evaluator = None
     if val_set is not None and len(val_set) > 0:
+        val_set = place_on_device(val_set, device, cfg.num_workers, cfg.data_on_device)
         val_batches = validation_batches(len(val_set), world.rank, world.world_size,
                                          cfg.batch_size, cfg.seed)
-        val_loader = build_loader(val_set, val_batches, collate, cfg.num_workers, pin_memory)
+        val_loader = build_loader(val_set, val_batches, collate, cfg.num_workers, device)
         evaluator = Evaluator(task, val_loader, val_batches, device, comm_device)
     # A training set may carry a `summary` dict (e.g. files it left out): it goes in summary.json.
-    return Data(batches, loader, evaluator, dict(getattr(train_set, "summary", {})))
+    return Data(batches, loader, evaluator, summary)
 
 
 def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device],
