@@ -3,6 +3,7 @@
     python bench/run.py              # 5 interleaved repetitions of every variant, both workloads
     python bench/run.py --reps 2 --no-lightning
     python bench/run.py --gpu        # NCCL, 1 process on one GPU, bf16, step times from CUDA events
+    python bench/run.py --gpu --workloads gpt2 --reps 3   # GPT-2 small: tokens/s and MFU, ours vs nanoGPT
 
 CPU: gloo, 2 processes through torchrun, OMP_NUM_THREADS=1, no pinning. Results go to bench/results/
 as results.json and results.png (results-gpu.* for --gpu), and a table is printed. Lightning is
@@ -41,6 +42,15 @@ WORKLOADS = {
     # 2 DataLoader workers per rank, against a DataLoader + DistributedSampler loop on the same data.
     "images": {"task": "classification", "hidden-size": 32, "num-layers": 2, "batch-size": 32,
                "epochs": 1, "num-workers": 2},
+    # gpt2: the language-model task as GPT-2 small (124 M parameters, context 1024), torch.compile,
+    # bf16 on a GPU, fused AdamW; against a loop written the way nanoGPT's train.py is. GPU only.
+    "gpt2": {"task": "language_model", "hidden-size": 768, "num-layers": 12, "num-heads": 12,
+             "seq-len": 1024, "vocab-size": 50304, "tie-embeddings": True, "compile": True,
+             "batch-size": 12, "dataset-size": 1440, "epochs": 1},
+    # gpt2-tiny: the same comparison at a size a CPU runs in seconds (no compile).
+    "gpt2-tiny": {"task": "language_model", "hidden-size": 64, "num-layers": 2, "num-heads": 4,
+                  "seq-len": 64, "vocab-size": 256, "batch-size": 16, "dataset-size": 2048,
+                  "epochs": 1},
     # smoke: checks that every variant runs (the template's tests use it); its timings mean nothing.
     "smoke": {"task": "regression", "hidden-size": 16, "num-layers": 1, "batch-size": 16,
               "dataset-size": 1536, "epochs": 1},
@@ -48,8 +58,9 @@ WORKLOADS = {
 VARIANTS_OF = {"tiny": ["ours", "raw", "raw+DataLoader", "tutorial", "lightning"],
                "mlp-6MB": ["ours", "ours-fsdp", "raw", "raw+DataLoader", "tutorial", "lightning"],
                "images": ["ours", "raw+DataLoader"],
+               "gpt2": ["ours", "raw"], "gpt2-tiny": ["ours", "raw"],
                "smoke": ["ours", "raw", "raw+DataLoader", "tutorial", "lightning"]}
-DEFAULT_WORKLOADS = "tiny,mlp-6MB,images"
+DEFAULT_WORKLOADS = {"cpu": "tiny,mlp-6MB,images", "gpu": "tiny,gpt2"}
 SCRIPTS = {"raw": "raw.py", "raw+DataLoader": "raw_dataloader.py", "tutorial": "tutorial.py",
            "lightning": "lightning_variant.py"}
 # Runs a command and prints the largest resident set of any process it started, in KiB.
@@ -120,7 +131,7 @@ def run_variant(name: str, workload: dict, project: Path, work: Path, python_for
                 gpu: bool) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    flags = [f"--{k}={v}" for k, v in workload.items() if k != "task"]
+    flags = [f"--{k}" if v is True else f"--{k}={v}" for k, v in workload.items() if k != "task"]
     nproc = 1 if gpu else 2
     torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     env = variant_env(project)
@@ -132,7 +143,8 @@ def run_variant(name: str, workload: dict, project: Path, work: Path, python_for
                "--no-progress", "--val-fraction=0", "--save-every=0", "--resume=never",
                f"--output-dir={work}/runs", f"--checkpoint-dir={work}/ck", f"--step-times={work}/steps.json"]
     else:
-        script = "raw_images.py" if workload["task"] == "classification" else SCRIPTS[name]
+        script = {"classification": "raw_images.py", "language_model": "raw_lm.py"}.get(
+            workload["task"], SCRIPTS[name])
         cmd = [python, *torchrun, str(HERE / "variants" / script), *flags,
                f"--device={'cuda' if gpu else 'cpu'}", f"--result={work}/steps.json"]
     launched_at = time.time()
@@ -180,7 +192,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions of every variant")
     parser.add_argument("--no-lightning", action="store_true", help="skip the Lightning variant")
-    parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, help=f"comma-separated, from {', '.join(WORKLOADS)}")
+    parser.add_argument("--workloads", default=None,
+                        help=f"comma-separated, from {', '.join(WORKLOADS)} (default: {DEFAULT_WORKLOADS['cpu']}; "
+                             f"with --gpu {DEFAULT_WORKLOADS['gpu']})")
     parser.add_argument("--gpu", action="store_true", help="NCCL, 1 process on one GPU, bf16, CUDA-event timing")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the results and the baked project go")
     parser.add_argument("--pairs", type=int, default=40,
@@ -193,11 +207,14 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=0,
                         help="CPU: SIGKILL a worker this many times and time the recovery under torchrun")
     args = parser.parse_args()
-    workloads = args.workloads.split(",")
+    workloads = (args.workloads or DEFAULT_WORKLOADS["gpu" if args.gpu else "cpu"]).split(",")
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown or args.reps < 1:
         print(f"error: unknown workload {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}" if unknown else
               "error: --reps must be at least 1", file=sys.stderr)
+        return 2
+    if "gpt2" in workloads and not args.gpu:
+        print("error: the gpt2 workload (124 M parameters) needs --gpu; on a CPU use gpt2-tiny", file=sys.stderr)
         return 2
     if args.gpu and (why := gpu_error()):
         print(f"error: {why}", file=sys.stderr)
@@ -224,6 +241,10 @@ def main() -> int:
                 print(f"{workload} rep {rep + 1}/{args.reps} {variant:15s} {result['median_ms']:.3f} ms/step",
                       flush=True)
     summary = summarize(raw)
+    for workload in workloads:
+        if WORKLOADS[workload]["task"] == "language_model":
+            add_token_rates(summary[workload], token_costs(projects["language_model"], WORKLOADS[workload]),
+                            1 if args.gpu else 2)
     cpu = not args.gpu
     regression = projects["regression"]
     overhead = measure_overhead(regression, args.out / "work" / "overhead", args.pairs) if args.pairs and cpu \
@@ -239,6 +260,8 @@ def main() -> int:
          "workloads": {w: {k: str(v) for k, v in WORKLOADS[w].items()} for w in workloads}, "summary": summary,
          "overhead": overhead, "saves": saves, "recovery": recovery, "runs": raw}, indent=1))
     print(table(summary, machine, args.reps, args.gpu))
+    if tokens := tokens_table(summary):
+        print("\n" + tokens)
     if overhead:
         print(f"\nper-step overhead of ours over raw in one process (world size 1, tiny model, median of "
               f"{overhead['pairs']} paired runs of {overhead['steps_per_run']} steps): median step "
@@ -252,6 +275,49 @@ def main() -> int:
               f"max {recovery['max_s']:.2f} s")
     plot(summary, args.out / f"{name}.png")
     return 0
+
+
+def token_costs(project: Path, workload: dict) -> dict:
+    """Tokens per sample, training FLOPs per token (the task's own count) and the peak FLOP/s of
+    one device (None on CPUs and unknown GPUs), from the baked project."""
+    flags = [f"--{k}" if v is True else f"--{k}={v}" for k, v in workload.items() if k != "task"]
+    code = ("import json, sys, torch\n"
+            "from ddp_project import task\n"
+            "from ddp_project.config import parse_args\n"
+            "from ddp_project.metrics import peak_flops\n"
+            "cfg = parse_args(sys.argv[1:])\n"
+            "with torch.device('meta'):\n"
+            "    model = task.build_model(cfg)\n"
+            "gpu = torch.cuda.is_available()\n"
+            "print(json.dumps({'tokens_per_sample': task.tokens_per_sample(cfg),\n"
+            "                  'flops_per_token': task.flops_per_token(model, cfg),\n"
+            "                  'peak_flops': peak_flops(torch.device('cuda' if gpu else 'cpu'))}))")
+    out = subprocess.run([sys.executable, "-c", code, *flags], env=variant_env(project), capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def add_token_rates(per_variant: dict, costs: dict, devices: int) -> None:
+    """tokens/s and MFU (FLOPs per token x tokens/s / (peak x devices)) of each variant."""
+    raw_tokens = None
+    for variant, values in per_variant.items():
+        values["tokens_per_s"] = values["samples_per_s"] * costs["tokens_per_sample"]
+        peak = costs["peak_flops"]
+        values["mfu"] = values["tokens_per_s"] * costs["flops_per_token"] / (peak * devices) if peak else None
+        raw_tokens = values["tokens_per_s"] if variant == "raw" else raw_tokens
+    for values in per_variant.values():
+        values["tokens_ratio_to_raw"] = values["tokens_per_s"] / raw_tokens
+
+
+def tokens_table(summary: dict) -> str:
+    lines = ["| workload | variant | tokens/s | ratio to raw | MFU |", "|---|---|---|---|---|"]
+    for workload, per_variant in summary.items():
+        for variant, v in per_variant.items():
+            if "tokens_per_s" in v:
+                mfu = f"{100 * v['mfu']:.1f}%" if v["mfu"] is not None else "n/a (no known peak)"
+                lines.append(f"| {workload} | {variant} | {v['tokens_per_s']:.0f} | {v['tokens_ratio_to_raw']:.3f} | "
+                             f"{mfu} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def saves_table(saves: dict) -> str:

@@ -12,7 +12,7 @@ BENCH = [PYTHON, str(ROOT / "bench" / "run.py")]
 
 
 def test_bench_smoke_runs_every_variant_and_writes_its_report(tmp_path):
-    result = subprocess.run([*BENCH, "--reps", "1", "--no-lightning", "--workloads", "smoke,images", "--images",
+    result = subprocess.run([*BENCH, "--reps", "1", "--no-lightning", "--workloads", "smoke,images,gpt2-tiny", "--images",
                              "1536", "--pairs", "1", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -30,6 +30,13 @@ def test_bench_smoke_runs_every_variant_and_writes_its_report(tmp_path):
     images = report["summary"]["images"]
     assert list(images) == ["ours", "raw+DataLoader"] and images["raw+DataLoader"]["ratio_to_raw"] == 1.0
     assert all(values["steps"] == 24 and values["median_ms"] > 0 for values in images.values())
+    # gpt2-tiny: the language-model task against the nanoGPT-style loop, in tokens/s; no MFU on a CPU.
+    lm = report["summary"]["gpt2-tiny"]
+    assert list(lm) == ["ours", "raw"] and lm["raw"]["tokens_ratio_to_raw"] == 1.0
+    for values in lm.values():
+        assert values["steps"] == 2048 // 32 and values["mfu"] is None
+        assert values["tokens_per_s"] == values["samples_per_s"] * 64 > 0
+    assert "| gpt2-tiny | ours |" in result.stdout and "n/a (no known peak)" in result.stdout
     overhead = report["overhead"]  # ours' real Trainer and the raw loop, alternating in one process
     assert overhead["pairs"] == 1 and len(overhead["ours_ms"]) == len(overhead["raw_ms"]) == 1
     for median, p10 in overhead["ours_ms"] + overhead["raw_ms"]:  # each run's median and 10th-percentile step
@@ -42,7 +49,10 @@ def test_bench_smoke_runs_every_variant_and_writes_its_report(tmp_path):
 def test_bench_refuses_bad_arguments_in_one_line(tmp_path):
     bad = subprocess.run([*BENCH, "--workloads", "huge", "--out", str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "error: unknown workload huge; choose from tiny, mlp-6MB, images, smoke"]
+        "error: unknown workload huge; choose from tiny, mlp-6MB, images, gpt2, gpt2-tiny, smoke"]
+    big = subprocess.run([*BENCH, "--workloads", "gpt2", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert big.returncode == 2 and big.stderr.strip().splitlines() == [
+        "error: the gpt2 workload (124 M parameters) needs --gpu; on a CPU use gpt2-tiny"]
     assert not any(tmp_path.iterdir()), "nothing is baked before the arguments are checked"
 
 

@@ -10,7 +10,7 @@ args = parse()
 data, model, device = setup(args)
 rank, world = dist.get_rank(), dist.get_world_size()
 ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
-opt = make_optimizer(model.parameters())
+opt = make_optimizer(model.parameters(), device)
 x_all, y_all = (t.to(device) for t in data.tensors)
 clock = StepClock(device, cuda_events=True)
 per_rank = args.dataset_size // world

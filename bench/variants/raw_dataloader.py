@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 args = parse()
 data, model, device = setup(args)
 ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None)
-opt = make_optimizer(model.parameters())
+opt = make_optimizer(model.parameters(), device)
 dataset = TensorDataset(*data.tensors)
 sampler = DistributedSampler(dataset, seed=0)
 loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")

@@ -16,7 +16,7 @@ torch.manual_seed(0)
 dataset = ImageFolder(args.data, augment=True)
 model = SmallCNN(len(dataset.classes), args.hidden_size, args.num_layers)
 ddp = DDP(model)
-opt = make_optimizer(model.parameters())
+opt = make_optimizer(model.parameters())  # CPU only
 sampler = DistributedSampler(dataset, seed=0)
 loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers,
                     persistent_workers=args.num_workers > 0)

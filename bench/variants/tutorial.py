@@ -54,6 +54,6 @@ dataset = PairDataset(*data.tensors)
 loader = DataLoader(dataset, batch_size=args.batch_size, pin_memory=False, shuffle=False,
                     sampler=DistributedSampler(dataset))
 clock = StepClock(device, cuda_events=True)
-Trainer(model, loader, make_optimizer(model.parameters()), clock, device).train(args.epochs)
+Trainer(model, loader, make_optimizer(model.parameters(), device), clock, device).train(args.epochs)
 write_result(clock, args.result)
 finish()
