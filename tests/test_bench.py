@@ -12,8 +12,8 @@ BENCH = [PYTHON, str(ROOT / "bench" / "run.py")]
 
 
 def test_bench_smoke_runs_every_variant_and_writes_its_report(tmp_path):
-    result = subprocess.run([*BENCH, "--reps", "1", "--no-lightning", "--workloads", "smoke,images,gpt2-tiny", "--images",
-                             "1536", "--pairs", "1", "--out", str(tmp_path)],
+    result = subprocess.run([*BENCH, "--reps", "1", "--no-lightning", "--workloads", "smoke,images,gpt2-tiny",
+                             "--images", "1536", "--pairs", "1", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "results.json").read_text())
