@@ -60,4 +60,9 @@ def test_predict_prints_one_estimate_per_row(workdir):
     row = ",".join(["0.5"] * task.IN_FEATURES)
     result = ok(run_cmd([*predict, row, row.replace("0.5", "-1")], workdir))
     assert [float(v) for v in result.stdout.split()] and len(result.stdout.split()) == 2
+    # An export (one weights_only file with the model and its settings) predicts the same.
+    ok(run_cmd([sys.executable, "-m", "{{ cookiecutter.package_name }}.checkpoint", "export",
+                str(newest), "model.pt"], workdir))
+    exported = ok(run_cmd([*predict[:-1], "model.pt", row, row.replace("0.5", "-1")], workdir))
+    assert exported.stdout == result.stdout
     assert "comma-separated numbers" in one_error(run_cmd([*predict, "1,2"], workdir))
