@@ -66,6 +66,17 @@ def test_bad_values_exit_2_with_one_line(argv, says, capsys):
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
 
 
+def test_ddp_options_are_config_file_keys_too(tmp_path):
+    path = tmp_path / "ddp.toml"
+    path.write_text('model-layout = "data_parallel"\nbucket-cap-mb = 50\nstatic-graph = true\n'
+                    'gradient-as-bucket-view = false\ncomm-hook = "powersgd"\n'
+                    'powersgd-rank = 2\n')
+    cfg = parse_args(["--config", str(path)])
+    assert (cfg.bucket_cap_mb, cfg.static_graph, cfg.gradient_as_bucket_view) == (50.0, True, False)
+    assert (cfg.comm_hook, cfg.powersgd_rank) == ("powersgd", 2)
+    assert parse_args(["--config", str(path), "--comm-hook", "none"]).comm_hook == "none"
+
+
 def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('epochs = 7\nbatch-size = 8\nlr = 1e-4\nno-progress = true\n'
