@@ -6,8 +6,9 @@ feedback) after --powersgd-warmup-steps steps of plain all-reduce.
 PowerSGD keeps state between steps (each rank's error feedback and the shared low-rank factors),
 and it goes into every checkpoint, so a resumed run continues bit for bit. Torch keys that state
 by DDP's gradient bucket, and a new DDP's first step puts every parameter in one bucket before it
-settles on its real buckets; so it is kept here per parameter and cut into whatever buckets DDP
-uses at the moment.
+settles on its real buckets; so it is saved per parameter and cut into whatever buckets DDP uses,
+and in a resumed run's first step the one bucket is compressed as the saved run's buckets, one by
+one (the same computation, rounded the same way).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class PowerSGD:
         self.layout: dict[int, tuple[int, ...]] = {}  # bucket index -> parameter indices
         self.owner: dict[int, int] = {}  # parameter index -> its bucket's index
         self.pending: dict[int, dict[str, torch.Tensor]] = {}  # loaded, not yet in a bucket
+        self.saved_layout: dict[int, tuple[int, ...]] = {}  # the buckets of the loaded run
         self._steps_checked = 0
         # With gloo, the hook's chained collectives run in gloo's threads, and two buckets in
         # flight at once can issue theirs in another order on each rank: a hang (seen with
@@ -81,8 +83,11 @@ class PowerSGD:
 
     def _hook(self, state: Any, bucket):
         if self._steps_checked < self.CHECK_STEPS:
-            self._fit_state_to(bucket)
-            self._steps_checked += bucket.is_last()  # bucket 0, the last of a step
+            self._steps_checked += bucket.is_last()  # once a step
+            params = tuple(self.index[id(p)] for p in bucket.parameters())
+            if self._covers_saved_buckets(params):
+                return self._as_saved_buckets(params, bucket)
+            self._fit_state_to(bucket.index(), params, bucket.buffer())
         if self._previous is not None:
             self._previous.wait()
         future = self.torch_hook.powerSGD_hook(state, bucket)
@@ -91,11 +96,9 @@ class PowerSGD:
         return future
 
     # ------------------------------------------------------------ per bucket <-> per parameter
-    def _fit_state_to(self, bucket: dist.GradBucket) -> None:
-        """Make the state of `bucket.index()` that of this bucket's parameters: after DDP
-        changed its buckets, or after a checkpoint was loaded."""
-        params = tuple(self.index[id(p)] for p in bucket.parameters())
-        key = bucket.index()
+    def _fit_state_to(self, key: int, params: tuple[int, ...], buffer: torch.Tensor) -> None:
+        """Make the state of bucket `key` that of its parameters `params`: after DDP changed
+        its buckets, or after a checkpoint was loaded."""
         if self.layout.get(key) == params:
             return
         if key in self.layout or any(self.owner.get(i, key) != key for i in params):
@@ -108,7 +111,31 @@ class PowerSGD:
         self.layout[key] = params
         self.owner.update((i, key) for i in params)
         if params and all(i in self.pending for i in params):
-            self._materialize(key, params, bucket.buffer())
+            self._materialize(key, params, buffer)
+
+    def _covers_saved_buckets(self, params: tuple[int, ...]) -> bool:
+        """Is this bucket several of the loaded run's buckets at once? (A resumed run's first
+        step: DDP starts with one bucket of everything and settles on its real ones after it.)"""
+        if not self.saved_layout or self.state.iter < self.state.start_powerSGD_iter:
+            return False
+        inside = [ps for ps in self.saved_layout.values() if set(ps) <= set(params)]
+        return params not in inside and sum(map(len, inside)) == len(params)
+
+    def _as_saved_buckets(self, params: tuple[int, ...], bucket) -> torch.futures.Future:
+        """PowerSGD on this bucket's gradients cut into the loaded run's buckets, one after the
+        other, each in a buffer of its own laid out as that run's bucket was: the same
+        computation, rounded the same way, as in the run that saved the checkpoint."""
+        grads = dict(zip(params, bucket.gradients(), strict=True))
+        saved = sorted((k, ps) for k, ps in self.saved_layout.items() if set(ps) <= set(params))
+        for key, members in saved:
+            piece = SavedBucket(key, len(self.saved_layout), [grads[i] for i in members])
+            self._fit_state_to(key, members, piece.buffer())
+            self.torch_hook.powerSGD_hook(self.state, piece).wait()
+            for i, grad in zip(members, piece.gradients(), strict=True):
+                grads[i].copy_(grad)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
 
     def _shapes(self, params: tuple[int, ...]) -> list[tuple[int, int, int]]:
         """(parameter, rows, rank) of each matrix PowerSGD compresses in a bucket, in the order
@@ -170,6 +197,7 @@ class PowerSGD:
             dist.all_gather(gathered, mine.to(comm_device))
         _, keys, pos, has_gauss, gauss = self.state.rng.get_state()
         return {"iter": self.state.iter,
+                "layout": [[key, list(params)] for key, params in sorted(self.layout.items())],
                 "rng": [torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss),
                         float(gauss)],
                 "pieces": [[i, kind, pieces[i][kind].numel()] for i, kind in names],
@@ -188,6 +216,7 @@ class PowerSGD:
         self.state.iter = saved["iter"]
         values, offset = saved["values"][rank], 0
         self.pending = {}
+        self.saved_layout = {key: tuple(params) for key, params in saved["layout"]}
         for i, kind, n in saved["pieces"]:
             self.pending.setdefault(i, {})[kind] = values[offset:offset + n].clone()
             offset += n
@@ -196,3 +225,27 @@ class PowerSGD:
             kept.clear()
         self._steps_checked = 0
         return True
+
+
+class SavedBucket:
+    """What PowerSGD reads of a DDP bucket, for a bucket of an earlier DDP: its index, and its
+    gradients in a flat buffer of their own, in that bucket's order."""
+
+    def __init__(self, index: int, count: int, grads: list[torch.Tensor]) -> None:
+        self._index, self._count = index, count
+        self._buffer = torch.cat([g.reshape(-1) for g in grads])
+        sizes = [g.numel() for g in grads]
+        self._grads = [part.view_as(g) for part, g in zip(self._buffer.split(sizes), grads,
+                                                         strict=True)]
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._index == self._count - 1
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._grads
