@@ -146,7 +146,7 @@ def test_ddp_flags_that_do_nothing_with_the_other_answers_are_warnings(capsys):
                       "--powersgd-rank", "4", "--static-graph"])
     assert capsys.readouterr().err == ""
     assert (cfg.comm_hook, cfg.powersgd_rank, cfg.static_graph) == ("powersgd", 4, True)
-    assert cfg.gradient_as_bucket_view and cfg.bucket_cap_mb == 25.0  # the defaults
+    assert cfg.gradient_as_bucket_view and cfg.bucket_cap_mb is None  # the defaults (DDP's)
 
 
 def test_run_name_puts_outputs_and_checkpoints_in_folders_of_their_own():

@@ -69,6 +69,13 @@ def test_without_torchft_the_error_gives_the_install_command(tmp_path):
     assert 'torchft is not installed: pip install -e ".[ft]"' in one_error(result)
 
 
+def test_powersgd_is_refused_in_replica_groups(tmp_path):
+    result = run_cmd([*torchrun_cmd(2), TRAIN_FT, "--no-progress", "--comm-hook", "powersgd"],
+                     tmp_path, timeout=120, TORCHFT_LIGHTHOUSE="http://127.0.0.1:9",
+                     REPLICA_GROUP_ID="0", NUM_REPLICA_GROUPS="2")
+    assert "train_ft.py does not take --comm-hook powersgd" in one_error(result)
+
+
 class Lighthouse:
     """torchft's lighthouse on a free port, here or on a test host."""
 

@@ -101,6 +101,22 @@ def test_ddp_options_give_the_default_result_and_hooks_stay_close(workdir):
         assert loss == pytest.approx(default_loss, rel=tolerance), hook
 
 
+@pytest.mark.skipif(DEFAULT_MODEL_LAYOUT == "fsdp", reason="fsdp does not use DDP")
+def test_powersgd_resumes_with_other_buckets_or_another_rank(workdir):
+    """Resumed with bigger buckets (the saved ones merge) or another --powersgd-rank (the
+    factors change shape), PowerSGD goes on: its state is fitted to the new buckets, and new
+    factors start where the old ones do not fit (a note says so)."""
+    hook = [*SMALL, "--dataset-size", "512", "--epochs", "3", "--comm-hook", "powersgd",
+            "--powersgd-warmup-steps", "3", "--log-every", "1000"]
+    ok(torchrun([*hook, "--bucket-cap-mb", "0.002", "--max-steps", "8"], workdir))
+    result = ok(torchrun([*hook, "--max-steps", "16"], workdir))
+    assert "resumed from" in result.stdout and "note: PowerSGD" not in result.stdout
+    result = ok(torchrun([*hook, "--powersgd-rank", "2", "--max-steps", "24"], workdir))
+    assert ("note: PowerSGD keeps its error feedback and starts new factors: the checkpoint "
+            "used --powersgd-rank 1") in result.stdout
+    assert summary(workdir / "runs/latest")["steps"] == 24
+
+
 def test_warmup_cosine_schedule_clipping_and_weight_decay(workdir):
     ok(torchrun([*SMALL, "--dataset-size", "512", "--batch-size", "16", "--epochs", "2", "--lr",
                  "0.01", "--lr-schedule", "cosine", "--warmup-steps", "8", "--clip-grad", "0.5",

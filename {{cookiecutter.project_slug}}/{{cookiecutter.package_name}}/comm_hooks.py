@@ -82,17 +82,22 @@ class PowerSGD:
         ddp.register_comm_hook(self.state, self._hook)
 
     def _hook(self, state: Any, bucket):
-        if self._steps_checked < self.CHECK_STEPS:
-            self._steps_checked += bucket.is_last()  # once a step
-            params = tuple(self.index[id(p)] for p in bucket.parameters())
-            if self._covers_saved_buckets(params):
-                return self._as_saved_buckets(params, bucket)
-            self._fit_state_to(bucket.index(), params, bucket.buffer())
         if self._previous is not None:
             self._previous.wait()
-        future = self.torch_hook.powerSGD_hook(state, bucket)
-        if self.one_bucket_at_a_time:
-            self._previous = None if bucket.is_last() else future
+            self._previous = None
+        future = None
+        if self._steps_checked < self.CHECK_STEPS:
+            params = tuple(self.index[id(p)] for p in bucket.parameters())
+            if self._steps_checked == 0 and self._covers_saved_buckets(params):
+                future = self._as_saved_buckets(params, bucket)
+            else:
+                self._fit_state_to(bucket.index(), params, bucket.buffer())
+            self._steps_checked += bucket.is_last()  # once a step
+        if future is None:
+            future = self.torch_hook.powerSGD_hook(state, bucket)
+        compressing = self.state.iter >= self.state.start_powerSGD_iter
+        if self.one_bucket_at_a_time and compressing and not bucket.is_last():
+            self._previous = future
         return future
 
     # ------------------------------------------------------------ per bucket <-> per parameter
@@ -184,47 +189,60 @@ class PowerSGD:
             del self.pending[i]
 
     # ------------------------------------------------------------ checkpoints
-    def state_dict(self, comm_device: torch.device) -> dict[str, Any]:
-        """Every rank's state (a collective: every rank calls it), as tensors and plain types.
-        Error feedback is each rank's own: a checkpoint holds world size x the gradients."""
+    def state_dict(self, comm_device: torch.device) -> dict[str, Any] | None:
+        """Every rank's state, gathered on rank 0 (a collective: every rank calls it), as tensors
+        and plain types; None on the other ranks. Error feedback is each rank's own: a
+        checkpoint holds world size x the gradients."""
         pieces = {**self.pending, **self._per_parameter()}
         names = sorted((i, kind) for i, piece in pieces.items() for kind in piece)
-        mine = (torch.cat([pieces[i][kind].cpu() for i, kind in names]) if names
-                else torch.zeros(0))
-        gathered = [torch.empty_like(mine, device=comm_device)
-                    for _ in range(dist.get_world_size())]
+        mine = (torch.cat([pieces[i][kind] for i, kind in names]).to(comm_device) if names
+                else torch.zeros(0, device=comm_device))
+        main = dist.get_rank() == 0
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if main else None
         if names:  # the same on every rank: the same buckets
-            dist.all_gather(gathered, mine.to(comm_device))
+            dist.gather(mine, gathered, dst=0)
+        if not main:
+            return None
         _, keys, pos, has_gauss, gauss = self.state.rng.get_state()
         return {"iter": self.state.iter,
+                "rank": self.state.matrix_approximation_rank,
                 "layout": [[key, list(params)] for key, params in sorted(self.layout.items())],
                 "rng": [torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss),
                         float(gauss)],
                 "pieces": [[i, kind, pieces[i][kind].numel()] for i, kind in names],
                 "values": torch.stack([g.cpu() for g in gathered])}
 
-    def load_state_dict(self, saved: dict[str, Any], rank: int, world_size: int) -> bool:
-        """This rank's part of a checkpoint's state; False (state left fresh) if it came from
-        another world size, whose error feedback belongs to other ranks."""
+    def load_state_dict(self, saved: dict[str, Any], rank: int, world_size: int) -> str | None:
+        """This rank's part of a checkpoint's state; returns a note where some of it cannot be
+        used: from another world size (the error feedback is other ranks'), or another
+        --powersgd-rank (the factors have another shape)."""
         if saved["values"].shape[0] != world_size:
-            return False
+            return (f"PowerSGD starts afresh: the checkpoint's state is of "
+                    f"{saved['values'].shape[0]} processes")
         import numpy as np
 
         keys, pos, has_gauss, gauss = saved["rng"]
         self.state.rng.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss,
                                   gauss))
         self.state.iter = saved["iter"]
+        same_rank = saved["rank"] == self.state.matrix_approximation_rank
         values, offset = saved["values"][rank], 0
         self.pending = {}
-        self.saved_layout = {key: tuple(params) for key, params in saved["layout"]}
         for i, kind, n in saved["pieces"]:
-            self.pending.setdefault(i, {})[kind] = values[offset:offset + n].clone()
+            if kind == "error" or same_rank:
+                self.pending.setdefault(i, {})[kind] = values[offset:offset + n].clone()
             offset += n
+        # Emulating the saved buckets needs every piece of them; with new factors, not.
+        self.saved_layout = ({key: tuple(params) for key, params in saved["layout"]}
+                             if same_rank else {})
         for kept in (self.state.error_dict, self.state.p_memory_dict, self.state.q_memory_dict,
                      self.layout, self.owner):
             kept.clear()
         self._steps_checked = 0
-        return True
+        if not same_rank:
+            return (f"PowerSGD keeps its error feedback and starts new factors: the checkpoint "
+                    f"used --powersgd-rank {saved['rank']}")
+        return None
 
 
 class SavedBucket:

@@ -79,7 +79,7 @@ class Config:
     deterministic: bool = False
     compile: bool = False
     find_unused_parameters: bool = False
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | None = None  # DDP's default: 25 MB, and a first bucket of 1 MB
     static_graph: bool = False
     gradient_as_bucket_view: bool = True
     comm_hook: str = "none"
@@ -270,8 +270,8 @@ def build_parser(settings: type | None = None) -> Parser:
     g = p.add_argument_group("DDP's gradient exchange (docs/performance.md says when to change "
                              "them)")
     g.add_argument("--bucket-cap-mb", type=_float(0, False, 4096.0), default=d.bucket_cap_mb,
-                   help="size of DDP's gradient buckets: each is all-reduced as soon as its "
-                        "gradients are ready")
+                   help="size of DDP's gradient buckets, each all-reduced as soon as its "
+                        "gradients are ready (default: DDP's 25, with a first bucket of 1)")
     g.add_argument("--static-graph", action="store_true",
                    help="DDP static_graph: the same parameters are used in every step")
     g.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction,
@@ -409,7 +409,8 @@ def _add_setting(parser: Parser, group: Any, f: dataclasses.Field) -> None:
 # Not settable from a file: they describe one launch, not the run.
 _LAUNCH_ONLY = {"config", "local-rank", "local_rank"}
 _TOML_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
-               "str | None": (str,), "int | None": (int,), "list[str]": (str, list)}
+               "str | None": (str,), "int | None": (int,), "float | None": (int, float),
+               "list[str]": (str, list)}
 
 
 def _flag_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

@@ -10,9 +10,9 @@
   or in DataLoader worker processes. In workers, each batch's random numbers are seeded from
   (seed, rank, epoch, batch), so random augmentation does not depend on which worker made the
   batch or on whether the run was resumed.
-- On a GPU, `DevicePrefetcher` copies the next batch to the device while the current step runs,
-  and `place_on_device` keeps an in-memory data set that fits on the device (no copy at all).
-  On the CPU neither does anything.
+- On a GPU, `DevicePrefetcher` copies batches to the device on a stream of their own, overlapping
+  the steps before them, and `place_on_device` keeps in-memory data that fits on the device (no
+  copy at all). On the CPU neither does anything.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_w
     on_gpu = device.type == "cuda"
     if num_workers == 0:
         loader = InProcessLoader(fetcher, batches)
-        return DevicePrefetcher(loader, device, pin=True) if on_gpu else loader
+        return DevicePrefetcher(loader, device, ahead=False) if on_gpu else loader
     # A generator of its own: DataLoader draws its workers' base seed from it whenever an iterator
     # starts, and from the global one without it. A resumed run starts its iterator at another
     # step than the run it continues, so dropout (global RNG) would then differ from there on.
@@ -271,41 +271,47 @@ def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_w
                         num_workers=num_workers, pin_memory=on_gpu, persistent_workers=True,
                         worker_init_fn=_worker_init, multiprocessing_context=worker_context(),
                         generator=torch.Generator())
-    return DevicePrefetcher(loader, device, pin=False) if on_gpu else loader
+    return DevicePrefetcher(loader, device, ahead=True) if on_gpu else loader
 
 
-def place_on_device(dataset: Dataset, device: torch.device, num_workers: int,
-                    policy: str) -> Dataset:
-    """--data-on-device auto: an InMemoryDataset moves to the GPU when it takes at most a quarter
-    of the free memory and batches are made in this process; batches are then cut on the GPU
-    and nothing is copied per step. Anything else stays where it is."""
-    if (policy == "never" or device.type != "cuda" or num_workers > 0
-            or not isinstance(dataset, InMemoryDataset)):
-        return dataset
-    size = sum(t.numel() * t.element_size() for t in dataset.tensors)
+def place_on_device(datasets: list[Dataset | None], device: torch.device, num_workers: int,
+                    policy: str) -> list[Dataset | None]:
+    """--data-on-device auto: in-memory data sets (InMemoryDataset) move to the GPU when together
+    they take at most a quarter of its free memory (the model is not built yet) and batches are
+    made in this process; batches are then cut on the GPU and nothing is copied per step. Any
+    other data set stays where it is."""
+    movable = [d for d in datasets if type(d) is InMemoryDataset]
+    if policy == "never" or device.type != "cuda" or num_workers > 0 or not movable:
+        return datasets
+    size = sum(t.numel() * t.element_size() for d in movable for t in d.tensors)
     if size > torch.cuda.mem_get_info(device)[0] // 4:
-        return dataset
-    return InMemoryDataset(*(t.to(device) for t in dataset.tensors))
+        return datasets
+    return [InMemoryDataset(*(t.to(device) for t in d.tensors))
+            if type(d) is InMemoryDataset else d for d in datasets]
 
 
 class DevicePrefetcher:
-    """A loader's batches on a GPU, each copied there while the step before it runs.
+    """A loader's batches on a GPU, each copied there on a stream of its own.
 
-    The copy runs on a stream of its own, from pinned memory (DataLoader workers pin theirs;
-    batches made in this process are pinned here), so it overlaps the step's kernels. The step's
-    stream waits for the copy's event before it uses the batch, and `record_stream` tells the
-    allocator the step uses that memory, so it is not handed out again while the step runs."""
+    The copy is from pinned memory (DataLoader's pin thread pins with `--num-workers`; batches
+    made in this process are pinned here) and does not block the host, which runs ahead of the
+    GPU: it overlaps the kernels still queued for the step before. The step's stream waits for
+    the copy's event before it uses the batch, and `record_stream` tells the allocator the step
+    uses that memory, so it is not handed out again while the step runs. DataLoader workers
+    make batches ahead anyway (each seeded by its batch), so their next batch's copy starts
+    before this one is handed out; batches made in this process are not made ahead: their
+    random draws (augmentation) come from the training process's random state, which a
+    checkpoint saves, and must happen in step order for an exact resume."""
 
-    def __init__(self, loader: Any, device: torch.device, pin: bool) -> None:
-        self.loader, self.device, self.pin = loader, device, pin
+    def __init__(self, loader: Any, device: torch.device, ahead: bool) -> None:
+        self.loader, self.device, self.ahead = loader, device, ahead
         self.stream = torch.cuda.Stream(device)
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def _start_copy(self, batch: Any) -> tuple[Any, torch.cuda.Event]:
-        if self.pin:
-            batch = _apply(batch, lambda t: t if t.is_cuda else t.pin_memory())
+        batch = _apply(batch, lambda t: t if t.is_cuda or t.is_pinned() else t.pin_memory())
         with torch.cuda.stream(self.stream):
             batch = _apply(batch, lambda t: t.to(self.device, non_blocking=True))
             return batch, self.stream.record_event()
@@ -317,9 +323,13 @@ class DevicePrefetcher:
         return batch
 
     def __iter__(self) -> Iterator[Any]:
+        if not self.ahead:
+            for batch in self.loader:
+                yield self._ready(*self._start_copy(batch))
+            return
         upcoming = None
         for batch in self.loader:
-            started = self._start_copy(batch)  # before the step of the batch before it
+            started = self._start_copy(batch)  # before the batch before it is handed out
             if upcoming is not None:
                 yield self._ready(*upcoming)
             upcoming = started

@@ -301,6 +301,10 @@ def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device
         raise SetupError(f"train_ft.py needs --model-layout data_parallel (torchft averages whole "
                          f"gradients across the replica groups), not {cfg.model_layout}",
                          everywhere=True)
+    if cfg.comm_hook == "powersgd":
+        raise SetupError("train_ft.py does not take --comm-hook powersgd: its state (each rank's "
+                         "error feedback) is not copied when a replica group heals, so the groups "
+                         "would drift apart; use --comm-hook none, bf16 or fp16", everywhere=True)
     replicas = Replicas.from_env(os.environ)
     quiet_torchft(Path(cfg.output_dir) / f"torchft-rank{world.rank}.log")
     if world.is_main:

@@ -173,7 +173,7 @@ class StepProfiler:
 
 
 # Dense bf16 peak FLOP/s of one device, what MFU is a fraction of. Others (CPUs, other GPUs,
-# the PCIe and NVL H100s) have no entry, and their MFU is null.
+# the PCIe and NVL versions of the H100 and H200) have no entry, and their MFU is null.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
@@ -181,7 +181,7 @@ def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    if "H100" in name and ("PCIe" in name or "NVL" in name):
+    if ("H100" in name or "H200" in name) and ("PCIe" in name or "NVL" in name):
         return None
     return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
 

@@ -111,10 +111,12 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
         model.to(devices[0])
     # A model spread over two devices (or on the CPU) is wrapped without device_ids.
     single_cuda = len(set(devices)) == 1 and devices[0].type == "cuda"
+    # bucket_cap_mb only when given: any value, even DDP's 25, drops its small first bucket.
+    buckets = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
     wrapped: nn.Module = DDP(model, device_ids=[devices[0]] if single_cuda else None,
                              find_unused_parameters=cfg.find_unused_parameters,
-                             bucket_cap_mb=cfg.bucket_cap_mb, static_graph=cfg.static_graph,
-                             gradient_as_bucket_view=cfg.gradient_as_bucket_view)
+                             static_graph=cfg.static_graph,
+                             gradient_as_bucket_view=cfg.gradient_as_bucket_view, **buckets)
     return torch.compile(wrapped) if cfg.compile else wrapped
 
 

@@ -88,11 +88,11 @@ def build_data(cfg: Config, world: World, device: torch.device, comm_device: tor
     index, count = share or (world.rank, world.world_size)
     batches = ShardedBatchSampler(len(train_set), index, count, cfg.batch_size, cfg.seed)
     summary = dict(getattr(train_set, "summary", {}))
-    train_set = place_on_device(train_set, device, cfg.num_workers, cfg.data_on_device)
+    train_set, val_set = place_on_device([train_set, val_set], device, cfg.num_workers,
+                                         cfg.data_on_device)
     loader = build_loader(train_set, batches, collate, cfg.num_workers, device)
     evaluator = None
     if val_set is not None and len(val_set) > 0:
-        val_set = place_on_device(val_set, device, cfg.num_workers, cfg.data_on_device)
         val_batches = validation_batches(len(val_set), world.rank, world.world_size,
                                          cfg.batch_size, cfg.seed)
         val_loader = build_loader(val_set, val_batches, collate, cfg.num_workers, device)
@@ -129,7 +129,8 @@ def build_trainer(cfg: Config, world: World, backend: str, devices: list[torch.d
     optim = optimization(model, cfg, devices[0], total_steps, autocast=autocast,
                          configure=getattr(task, "configure_optimizer", None))
     trainer = Trainer(cfg, world, task, model, optim, data,
-                      Runtime(devices[0], backend, lifeline, STARTED_AT, comm_hook))
+                      Runtime(devices[0], backend, lifeline, STARTED_AT, comm_hook,
+                              len(set(devices))))
     seed_everything(cfg.seed + world.rank)  # different random streams per rank from here on
     return trainer
 

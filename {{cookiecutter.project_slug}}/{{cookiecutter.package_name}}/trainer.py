@@ -74,6 +74,7 @@ class Runtime:
     lifeline: Lifeline
     started_at: float  # process start: for "time to first step"
     comm_hook: PowerSGD | None = None  # --comm-hook with state to checkpoint
+    devices_per_process: int = 1  # model_parallel_2: 2 (or 1, with one device named twice)
 
 
 class Trainer:
@@ -100,8 +101,8 @@ class Trainer:
                                 cfg.save_every_steps)
         self.metrics = MetricsWriter(cfg.output_dir, False)  # rank 0's real one opens in train()
         self.selection = ModelSelection(cfg.keep_best, cfg.early_stop)
-        devices = 2 if cfg.model_layout == "model_parallel_2" else 1  # per process
-        self.throughput = Throughput(task, self.raw, cfg, device, devices * world.world_size)
+        self.throughput = Throughput(task, self.raw, cfg, device,
+                                     runtime.devices_per_process * world.world_size)
 
         # Position: the epoch being trained, the batches of it already done, optimizer steps.
         self.epoch, self.batch_in_epoch, self.step = 0, 0, 0
@@ -145,10 +146,10 @@ class Trainer:
                              everywhere=True) from exc
         self.optim.load_state_dict(meta["optim"])
         if self.comm_hook is not None and meta.get("comm_hook") is not None:
-            if not self.comm_hook.load_state_dict(meta["comm_hook"], self.world.rank,
-                                                  self.world.world_size) and self.world.is_main:
-                print("note: PowerSGD starts without the checkpoint's error feedback (saved by "
-                      "another number of processes)", flush=True)
+            note = self.comm_hook.load_state_dict(meta["comm_hook"], self.world.rank,
+                                                  self.world.world_size)
+            if note and self.world.is_main:
+                print(f"note: {note}", flush=True)
         self.last_loss, self.tracker_run_id = meta.get("last_loss"), meta.get("tracker_run_id")
         self.epoch, self.batch_in_epoch, self.step = restore_position(
             meta, self.cfg, self.world.world_size, self.batches.batches_per_epoch(), path,

@@ -143,6 +143,9 @@ class TinyGPT(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         if tie:
+            # The output layer reads this table: at PyTorch's N(0, 1) the first logits would be
+            # huge (loss ~770 at width 768); GPT-2 starts it at 0.02.
+            nn.init.normal_(self.embed.weight, std=0.02)
             self.head.weight = self.embed.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
