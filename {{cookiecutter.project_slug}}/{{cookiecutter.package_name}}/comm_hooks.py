@@ -150,7 +150,9 @@ class PowerSGD:
             n = self.params[i].shape[0]  # the hook views each gradient as (rows, rest)
             m = self.params[i].numel() // n
             r = min(n, m, self.state.matrix_approximation_rank)
-            if self.torch_hook._should_compress(n, m, r, self.state.min_compression_rate)[0]:
+            # PowerSGDState's documented rule: compressed when it shrinks by more than
+            # min_compression_rate.
+            if (n + m) * r * self.state.min_compression_rate < n * m:
                 by_shape[(n, m)].append(i)
         return [(i, n, min(n, m, self.state.matrix_approximation_rank))
                 for (n, m), members in by_shape.items() for i in members]
