@@ -88,8 +88,9 @@ class PowerSGD:
         future = None
         if self._steps_checked < self.CHECK_STEPS:
             params = tuple(self.index[id(p)] for p in bucket.parameters())
-            if self._steps_checked == 0 and self._covers_saved_buckets(params):
-                future = self._as_saved_buckets(params, bucket)
+            saved = self._saved_buckets_in(params) if self._steps_checked == 0 else []
+            if saved:
+                future = self._as_saved_buckets(saved, params, bucket)
             else:
                 self._fit_state_to(bucket.index(), params, bucket.buffer())
             self._steps_checked += bucket.is_last()  # once a step
@@ -118,20 +119,24 @@ class PowerSGD:
         if params and all(i in self.pending for i in params):
             self._materialize(key, params, buffer)
 
-    def _covers_saved_buckets(self, params: tuple[int, ...]) -> bool:
-        """Is this bucket several of the loaded run's buckets at once? (A resumed run's first
+    def _saved_buckets_in(self, params: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
+        """The loaded run's buckets (index, parameters) that this bucket holds several of, or is
+        in another order; none if it is one of them or cuts across them. (A resumed run's first
         step: DDP starts with one bucket of everything and settles on its real ones after it.)"""
         if not self.saved_layout or self.state.iter < self.state.start_powerSGD_iter:
-            return False
-        inside = [ps for ps in self.saved_layout.values() if set(ps) <= set(params)]
-        return params not in inside and sum(map(len, inside)) == len(params)
+            return []
+        members = set(params)
+        inside = sorted((k, ps) for k, ps in self.saved_layout.items() if set(ps) <= members)
+        if params in (ps for _, ps in inside) or sum(len(ps) for _, ps in inside) != len(params):
+            return []
+        return inside
 
-    def _as_saved_buckets(self, params: tuple[int, ...], bucket) -> torch.futures.Future:
-        """PowerSGD on this bucket's gradients cut into the loaded run's buckets, one after the
-        other, each in a buffer of its own laid out as that run's bucket was: the same
+    def _as_saved_buckets(self, saved: list[tuple[int, tuple[int, ...]]],
+                          params: tuple[int, ...], bucket) -> torch.futures.Future:
+        """PowerSGD on this bucket's gradients cut into the loaded run's buckets `saved`, one
+        after the other, each in a buffer of its own laid out as that run's bucket was: the same
         computation, rounded the same way, as in the run that saved the checkpoint."""
         grads = dict(zip(params, bucket.gradients(), strict=True))
-        saved = sorted((k, ps) for k, ps in self.saved_layout.items() if set(ps) <= set(params))
         for key, members in saved:
             piece = SavedBucket(key, len(self.saved_layout), [grads[i] for i in members])
             self._fit_state_to(key, members, piece.buffer())
@@ -145,7 +150,7 @@ class PowerSGD:
     def _shapes(self, params: tuple[int, ...]) -> list[tuple[int, int, int]]:
         """(parameter, rows, rank) of each matrix PowerSGD compresses in a bucket, in the order
         its hook packs their factors: grouped by shape, shapes in order of appearance."""
-        by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
+        by_shape: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
         for i in params:
             n = self.params[i].shape[0]  # the hook views each gradient as (rows, rest)
             m = self.params[i].numel() // n
@@ -153,9 +158,8 @@ class PowerSGD:
             # PowerSGDState's documented rule: compressed when it shrinks by more than
             # min_compression_rate.
             if (n + m) * r * self.state.min_compression_rate < n * m:
-                by_shape[(n, m)].append(i)
-        return [(i, n, min(n, m, self.state.matrix_approximation_rank))
-                for (n, m), members in by_shape.items() for i in members]
+                by_shape[(n, m)].append((i, n, r))
+        return [matrix for matrices in by_shape.values() for matrix in matrices]
 
     def _per_parameter(self) -> dict[int, dict[str, torch.Tensor]]:
         """The state of every bucket cut into the parameters' pieces."""
