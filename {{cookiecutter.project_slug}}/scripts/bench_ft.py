@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error('needs torchft: pip install -e ".[ft]"')
     flags = [*args.flags, "--max-steps", str(args.steps), "--epochs", "1000000",
              "--save-every", "0", "--val-fraction", "0"]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # A replica group's variables, if the shell exports them, would make train.py refuse to run.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE")}
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="bench-ft-") as tmp:
         work = Path(tmp)
         subprocess.run(torchrun(2 * args.nproc, "train.py", flags, work / "ddp"), env=env,

@@ -32,6 +32,7 @@ from {{ cookiecutter.package_name }}.environments import World, find_free_port
 from {{ cookiecutter.package_name }}.failures import SetupError
 from {{ cookiecutter.package_name }}.fault_tolerance import Replicas
 
+TRAIN = str(PROJECT_ROOT / "train.py")
 TRAIN_FT = str(PROJECT_ROOT / "train_ft.py")
 HEARTBEAT_S = 3.0  # the lighthouse's heartbeat timeout in these tests
 # A small model and many short steps: groups must still be training when the killed one is back.
@@ -56,6 +57,14 @@ def test_replica_settings_come_from_the_environment():
                        ({"REPLICA_GROUP_ID": "x"}, "REPLICA_GROUP_ID=x is not a whole number")]:
         with pytest.raises(SetupError, match=words):
             Replicas.from_env({**env, **bad})
+    # HOST:PORT gets its http:// (torchft would wait out every timeout without it).
+    for given, used in [("lh:29510", "http://lh:29510"), ("http://lh:29510/", "http://lh:29510"),
+                        ("[::1]:29510", "http://[::1]:29510")]:
+        assert Replicas.from_env({**env, "TORCHFT_LIGHTHOUSE": given}).lighthouse == used
+    for bad in ["lh", "http://lh", "https://lh:29510", "lh:port", "http://:29510", "lh:1/x", "a b"]:
+        with pytest.raises(SetupError, match=f"TORCHFT_LIGHTHOUSE={re.escape(bad)} is not a "
+                                             "lighthouse address: write http://HOST:PORT"):
+            Replicas.from_env({**env, "TORCHFT_LIGHTHOUSE": bad})
 
 
 def test_without_torchft_the_error_gives_the_install_command(tmp_path):
@@ -69,6 +78,28 @@ def test_without_torchft_the_error_gives_the_install_command(tmp_path):
     assert 'torchft is not installed: pip install -e ".[ft]"' in one_error(result)
 
 
+def test_train_py_refuses_a_replica_groups_variables(tmp_path):
+    """train.py would train an ordinary job without torchft: refused before anything starts."""
+    result = run_cmd([sys.executable, TRAIN, "--no-progress"], tmp_path, timeout=120,
+                     REPLICA_GROUP_ID="0")
+    assert one_error(result) == ("error: REPLICA_GROUP_ID set, but train.py trains without "
+                                 "torchft: start a replica group with train_ft.py "
+                                 "(scripts/train_ft.sh group), or unset it for a plain run")
+    result = run_cmd([*torchrun_cmd(2), TRAIN, "--no-progress"], tmp_path, timeout=120,
+                     TORCHFT_LIGHTHOUSE="http://127.0.0.1:9", REPLICA_GROUP_ID="1")
+    assert "REPLICA_GROUP_ID and TORCHFT_LIGHTHOUSE set" in one_error(result)
+    assert "world:" not in result.stdout  # refused before the process group
+
+
+def test_a_malformed_lighthouse_address_is_one_line_at_once(tmp_path):
+    started = time.monotonic()
+    result = run_cmd([*torchrun_cmd(2), TRAIN_FT, "--no-progress"], tmp_path, timeout=120,
+                     TORCHFT_LIGHTHOUSE="localhost", REPLICA_GROUP_ID="0", NUM_REPLICA_GROUPS="2")
+    assert one_error(result) == ("error: TORCHFT_LIGHTHOUSE=localhost is not a lighthouse "
+                                 "address: write http://HOST:PORT, e.g. http://localhost:29510")
+    assert time.monotonic() - started < 60  # start-up only, not the default --timeout-s 300
+
+
 def test_powersgd_is_refused_in_replica_groups(tmp_path):
     result = run_cmd([*torchrun_cmd(2), TRAIN_FT, "--no-progress", "--comm-hook", "powersgd"],
                      tmp_path, timeout=120, TORCHFT_LIGHTHOUSE="http://127.0.0.1:9",
@@ -79,19 +110,26 @@ def test_powersgd_is_refused_in_replica_groups(tmp_path):
 class Lighthouse:
     """torchft's lighthouse on a free port, here or on a test host."""
 
-    def __init__(self, workdir: Path, min_replicas: int = 1, host: Any = None) -> None:
-        self.port = find_free_port()
+    def __init__(self, workdir: Path, min_replicas: int = 1, host: Any = None,
+                 start: bool = True) -> None:
+        self.port, self.min_replicas, self.host = find_free_port(), min_replicas, host
         self.address = f"http://{host.address if host else '127.0.0.1'}:{self.port}"
         self.log = workdir / "lighthouse.log"
+        self.process: subprocess.Popen | None = None
+        if start:
+            self.start()
+
+    def start(self) -> None:
         binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
-        self.process = (host.popen if host else subprocess.Popen)(
-            [binary, "--bind", f"[::]:{self.port}", "--min_replicas", str(min_replicas),
+        self.process = (self.host.popen if self.host else subprocess.Popen)(
+            [binary, "--bind", f"[::]:{self.port}", "--min_replicas", str(self.min_replicas),
              "--heartbeat_timeout_ms", str(int(HEARTBEAT_S * 1000)), "--join_timeout_ms",
              "3000"], stdout=self.log.open("w"), stderr=subprocess.STDOUT)
 
     def stop(self) -> None:
-        self.process.kill()
-        self.process.wait()
+        if self.process:
+            self.process.kill()
+            self.process.wait()
 
 
 class Group:
@@ -99,13 +137,13 @@ class Group:
     that a test can kill all of it at once; its output goes to a file the test can watch."""
 
     def __init__(self, workdir: Path, index: int, lighthouse: Lighthouse, *extra: str,
-                 min_replicas: int = 1, host: Any = None) -> None:
+                 min_replicas: int = 1, host: Any = None, flags: list[str] = FLAGS) -> None:
         self.index, self.workdir, self.host = index, workdir, host
         self.output_dir = workdir / f"runs/group{index}"
         self.checkpoints = workdir / f"checkpoints/group{index}"
         self.log = workdir / f"group{index}.log"
         self.runs = 0
-        self.args = [*torchrun_cmd(2), TRAIN_FT, *FLAGS, "--output-dir", str(self.output_dir),
+        self.args = [*torchrun_cmd(2), TRAIN_FT, *flags, "--output-dir", str(self.output_dir),
                      "--checkpoint-dir", str(self.checkpoints), *extra]
         self.env = child_env(TORCHFT_LIGHTHOUSE=lighthouse.address, REPLICA_GROUP_ID=str(index),
                              NUM_REPLICA_GROUPS="2", TORCHFT_MIN_REPLICAS=str(min_replicas))
@@ -251,11 +289,58 @@ def test_every_group_killed_resumes_from_its_checkpoint_exactly(groups, tmp_path
 @needs_torchft
 def test_an_unreachable_lighthouse_is_one_error_line_within_the_timeout(tmp_path):
     started = time.monotonic()
+    address = f"http://127.0.0.1:{find_free_port()}"
     result = run_cmd([*torchrun_cmd(2), TRAIN_FT, "--no-progress", "--timeout-s", "5"], tmp_path,
-                     timeout=120, TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{find_free_port()}",
-                     REPLICA_GROUP_ID="0", NUM_REPLICA_GROUPS="2")
-    assert "error: cannot reach the torchft lighthouse" in one_error(result)
+                     timeout=120, TORCHFT_LIGHTHOUSE=address, REPLICA_GROUP_ID="0",
+                     NUM_REPLICA_GROUPS="2")
+    assert one_error(result) == (f"error: cannot reach the torchft lighthouse at {address} (no "
+                                 "connection in --timeout-s 5 s); start it (scripts/train_ft.sh "
+                                 "lighthouse) or fix TORCHFT_LIGHTHOUSE")
+    assert f"torchft: waiting for the lighthouse at {address} (Connection refused)" in \
+        result.stdout
     assert time.monotonic() - started < 5 + 15
+
+
+@pytest.mark.full
+@needs_torchft
+def test_a_group_says_at_once_that_it_waits_for_a_lighthouse_that_starts_late(tmp_path,
+                                                                               example_task):
+    lighthouse = Lighthouse(tmp_path, start=False)
+    at = FLAGS.index("--timeout-s")  # the default --timeout-s (300 s) instead of the tests' 10
+    group = Group(tmp_path, 0, lighthouse, "--max-steps", "20", flags=FLAGS[:at] + FLAGS[at + 2:])
+    try:
+        group.wait_for(r"torchft: replica group 0 of 2")
+        started = time.monotonic()
+        group.wait_for(rf"torchft: waiting for the lighthouse at {lighthouse.address} \(Connection "
+                       r"refused\), up to --timeout-s 300 s; start it")
+        waited = time.monotonic() - started
+        assert waited < 5, f"the waiting line came {waited:.1f} s after the start-up line"
+        time.sleep(3)  # still waiting, well past a try's few seconds
+        assert group.process.poll() is None, group.output()
+        lighthouse.start()
+        out = group.finish(120)
+    finally:
+        if group.process.poll() is None:
+            group.kill()
+        lighthouse.stop()
+    assert out.count("waiting for the lighthouse") == 1 and "done: 20 steps" in out, out
+
+
+@pytest.mark.full
+@needs_torchft
+def test_a_lighthouse_address_without_http_gets_it(tmp_path, example_task):
+    lighthouse = Lighthouse(tmp_path)
+    address = lighthouse.address
+    lighthouse.address = address.removeprefix("http://")  # as a user may write it: HOST:PORT
+    group = Group(tmp_path, 0, lighthouse, "--max-steps", "20")
+    try:
+        out = group.finish(120)
+    finally:
+        if group.process.poll() is None:
+            group.kill()
+        lighthouse.stop()
+    assert f"replica group 0 of 2, lighthouse {address}" in out and "done: 20 steps" in out, out
+    assert "waiting for the lighthouse" not in out, out
 
 
 @pytest.mark.full

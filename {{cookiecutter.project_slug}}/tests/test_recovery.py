@@ -142,15 +142,34 @@ def test_torchrun_restarts_a_killed_worker_and_finishes(workdir, reference):
     assert_same_model(reference, final_model(workdir / "checkpoints"))
 
 
-@pytest.mark.parametrize("how", ["SIGTERM-to-torchrun", "SIGUSR1-to-workers", "SIGINT-to-all"])
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`: the training processes, their data workers' forkserver and the
+    workers."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in map(int, (task / "children").read_text().split()):
+            found += [child, *descendants(child)]
+    return found
+
+
+@pytest.mark.parametrize("how", ["SIGTERM-to-torchrun", "SIGUSR1-to-workers", "SIGINT-to-all",
+                                 "SIGTERM-to-torchrun-data-workers",
+                                 "SIGUSR1-to-every-process-data-workers"])
 def test_preemption_signal_saves_and_exits_cleanly(workdir, reference, how):
-    job = start_torchrun(workdir, "--log-every", "2")
+    """With data workers too: torchrun signals each training process's whole process group, and
+    SLURM every process of the step, so the workers get the signal as well. They leave it to the
+    training process (which needs them for the batches up to its next log step, where it saves)."""
+    workers_flags = ["--num-workers", "2"] if how.endswith("data-workers") else []
+    job = start_torchrun(workdir, "--log-every", "2", *workers_flags)
     wait_for_checkpoint(workdir / "checkpoints", 12)
     name = how.split("-")[0]
-    if how == "SIGTERM-to-torchrun":
+    if how.startswith("SIGTERM-to-torchrun"):
         os.kill(job.pid, signal.SIGTERM)  # torchrun forwards it to its workers
     elif how == "SIGUSR1-to-workers":
         for pid in workers(job.pid).values():  # SLURM's --signal reaches every task
+            os.kill(pid, signal.SIGUSR1)
+    elif how.startswith("SIGUSR1-to-every-process"):
+        for pid in descendants(job.pid):  # what `scancel --signal` does: every process
             os.kill(pid, signal.SIGUSR1)
     else:
         os.killpg(job.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole process group

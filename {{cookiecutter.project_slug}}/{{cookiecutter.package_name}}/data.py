@@ -24,7 +24,7 @@ import random
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 import torch
@@ -216,11 +216,21 @@ def _as_is(batch: Any) -> Any:
     return batch  # the fetcher already collated (a module-level function: workers pickle it)
 
 
+# Stop signals a launcher may send to every process of the job: torchrun and `docker stop` signal
+# the whole process group, SLURM every process of the step. They are meant for the training
+# process, which then saves at its next log step: a data worker (or the forkserver that starts
+# them) ended by one would take the batches that step needs with it. Blocked, not ignored, so
+# the worker's stop signals wait in the kernel and SIGKILL still ends it.
+WORKER_BLOCKED = {getattr(signal, name) for name in ("SIGTERM", "SIGUSR1")
+                  if hasattr(signal, name)}
+
+
 def _worker_init(worker_id: int) -> None:
     # Workers leave stop signals to the training process, which shuts them down itself.
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):  # not on Windows, where nothing signals a group
+        signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_BLOCKED)
     # A forkserver child inherits the write end of the pipe by which the forkserver learns that
     # the training process is gone. Holding it, the workers kept the forkserver alive after a
     # SIGKILL of the training process, and the forkserver (their parent) kept them alive:
@@ -243,7 +253,16 @@ def worker_context() -> Any:
         return None
     multiprocessing.set_forkserver_preload(["torch"])  # workers start with torch imported
     context = multiprocessing.get_context("forkserver")
-    forkserver.ensure_running()
+    # The server inherits the blocked stop signals across its exec, and its workers from it: a
+    # SIGTERM that reaches it before a worker's _worker_init runs is held too. Here they wait
+    # only for as long as the server takes to start, then are delivered.
+    # (First the resource tracker, which ensure_running starts too: starting it unblocks SIGTERM.)
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_BLOCKED)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
     return context
 
 

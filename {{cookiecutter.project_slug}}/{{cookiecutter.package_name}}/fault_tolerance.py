@@ -21,7 +21,9 @@ import http.server
 import ipaddress
 import logging
 import os
+import re
 import socket
+import time
 import warnings
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -45,6 +47,7 @@ from .train import main as train_main
 from .trainer import Trainer
 
 INSTALL = 'pip install -e ".[ft]"'
+START_IT = "start it (scripts/train_ft.sh lighthouse) or fix TORCHFT_LIGHTHOUSE"
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class Replicas:
             raise SetupError("TORCHFT_LIGHTHOUSE is not set: start a lighthouse "
                              "(scripts/train_ft.sh lighthouse) and export its address, e.g. "
                              "TORCHFT_LIGHTHOUSE=http://localhost:29510", everywhere=True)
+        lighthouse = lighthouse_address(lighthouse)
         numbers = {}
         for name, default in (("REPLICA_GROUP_ID", None), ("NUM_REPLICA_GROUPS", None),
                               ("TORCHFT_MIN_REPLICAS", "1")):
@@ -81,6 +85,48 @@ class Replicas:
     def share(self, world: World) -> tuple[int, int]:
         """This rank's share of the training data: the groups split it, then their ranks."""
         return self.group * world.world_size + world.rank, self.groups * world.world_size
+
+
+def lighthouse_address(value: str) -> str:
+    """TORCHFT_LIGHTHOUSE as torchft needs it, http://HOST:PORT (given `host:29510`, torchft waits
+    out every timeout without a word): http:// is added to HOST:PORT, anything else is refused."""
+    url = urlsplit(value.strip() if "://" in value else f"http://{value.strip()}")
+    with contextlib.suppress(ValueError):  # a port that is not a number, or past 65535
+        if (url.scheme == "http" and url.port and re.fullmatch(r"[\w.:-]+", url.hostname or "")
+                and url.path in ("", "/") and not url.query + url.fragment):
+            host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
+            return f"http://{host}:{url.port}"
+    raise SetupError(f"TORCHFT_LIGHTHOUSE={value} is not a lighthouse address: write "
+                     "http://HOST:PORT, e.g. http://localhost:29510", everywhere=True)
+
+
+def refuse_plain_run(env: Mapping[str, str]) -> None:
+    """train.py with a replica group's variables set would train without torchft, silently."""
+    if names := [name for name in ("REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE") if env.get(name)]:
+        raise SetupError(f"{' and '.join(names)} set, but train.py trains without torchft: start "
+                         "a replica group with train_ft.py (scripts/train_ft.sh group), or unset "
+                         f"{'it' if len(names) == 1 else 'them'} for a plain run", everywhere=True)
+
+
+def lighthouse_answers(lighthouse: str, timeout_s: float) -> bool:
+    """Whether the lighthouse takes a connection, tried (saying so at once) until a little before
+    --timeout-s, when the other ranks stop waiting for this one. torchft's Manager would say
+    nothing until --timeout-s is out, and then only that a store lacks its address."""
+    url, deadline = urlsplit(lighthouse), time.monotonic() + timeout_s - min(2.0, timeout_s / 4)
+    said = False
+    while True:
+        try:
+            left = max(0.1, min(3.0, deadline - time.monotonic()))  # a few seconds per try
+            socket.create_connection((url.hostname, url.port), left).close()
+            return True
+        except OSError as exc:
+            if not said:
+                print(f"torchft: waiting for the lighthouse at {lighthouse} ({exc.strerror or exc})"
+                      f", up to --timeout-s {timeout_s:g} s; {START_IT}", flush=True)
+            said = True
+        if time.monotonic() > deadline - 0.5:
+            return False
+        time.sleep(0.5)
 
 
 def quiet_torchft(log_file: Path) -> None:
@@ -128,15 +174,20 @@ def checkpoint_transport(host: str, timeout: timedelta) -> Any:
     return Transport(timeout=timeout, num_chunks=0)
 
 
-def group_store(world: World, device: torch.device, timeout_s: float) -> tuple[Any, int]:
+def group_store(world: World, device: torch.device, timeout_s: float,
+                lighthouse: str) -> tuple[Any, int]:
     """A TCP store for the Manager, on a free port of rank 0 (the launcher's store may be a file,
-    or be hidden, as under mp.spawn): the store on rank 0 (None elsewhere) and its port."""
+    or be hidden, as under mp.spawn): the store on rank 0 (None elsewhere) and its port. Port 0
+    tells every rank that the lighthouse never answered rank 0."""
     store, port = None, torch.zeros(1, dtype=torch.int64, device=device)
-    if world.is_main:
+    if world.is_main and lighthouse_answers(lighthouse, timeout_s):
         store = dist.TCPStore(world.master_addr, 0, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=timeout_s))
         port[0] = store.port
     dist.broadcast(port, 0)
+    if not port.item():
+        raise SetupError(f"cannot reach the torchft lighthouse at {lighthouse} (no connection in "
+                         f"--timeout-s {timeout_s:g} s); {START_IT}", everywhere=True)
     return store, int(port.item())
 
 
@@ -151,7 +202,7 @@ def start_manager(replicas: Replicas, world: World, backend: str, device: torch.
     except ImportError:
         raise SetupError(f"this project trains with torchft (fault_tolerance=torchft), but torchft "
                          f"is not installed: {INSTALL}", everywhere=True) from None
-    store, port = group_store(world, device, timeout_s)
+    store, port = group_store(world, device, timeout_s, replicas.lighthouse)
     host = reachable_address(replicas, backend, os.environ)
     # The other groups meet this one's ranks at its store: an address they can reach.
     store_host = host if is_loopback(world.master_addr) else world.master_addr
@@ -170,8 +221,7 @@ def start_manager(replicas: Replicas, world: World, backend: str, device: torch.
             raise SetupError(f"torchft's Manager did not start ({_first_line(exc)})",
                              everywhere=True) from None
         raise SetupError(f"cannot reach the torchft lighthouse at {replicas.lighthouse} "
-                         f"({_first_line(exc)}); start it (scripts/train_ft.sh lighthouse) or "
-                         "fix TORCHFT_LIGHTHOUSE", everywhere=True) from None
+                         f"({_first_line(exc)}); {START_IT}", everywhere=True) from None
 
 
 class FaultTolerantOptimization(Optimization):
@@ -214,8 +264,7 @@ class FaultTolerantOptimization(Optimization):
         except Exception as exc:
             if not self._joined:
                 raise SetupError(f"cannot reach the torchft lighthouse at {self.lighthouse} "
-                                 f"({_first_line(exc)}); start it (scripts/train_ft.sh "
-                                 "lighthouse) or fix TORCHFT_LIGHTHOUSE", everywhere=True) from None
+                                 f"({_first_line(exc)}); {START_IT}", everywhere=True) from None
             raise SetupError(f"lost the torchft lighthouse at {self.lighthouse} "
                              f"({_first_line(exc)}); restart it, then the replica groups (they "
                              "resume from their checkpoints)", everywhere=True) from None
@@ -310,8 +359,7 @@ def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device
     if world.is_main:
         print(f"torchft: replica group {replicas.group} of {replicas.groups}, lighthouse "
               f"{replicas.lighthouse}", flush=True)
-    with lifeline.waiting(f"the torchft lighthouse at {replicas.lighthouse}",
-                          "start it (scripts/train_ft.sh lighthouse) or fix TORCHFT_LIGHTHOUSE",
+    with lifeline.waiting(f"the torchft lighthouse at {replicas.lighthouse}", START_IT,
                           phase="rendezvous"):
         manager, _store = start_manager(replicas, world, backend,
                                         collective_device(backend, devices[0]), cfg.timeout_s)

@@ -6,6 +6,7 @@ processes itself with `torch.multiprocessing`.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import random
@@ -315,6 +316,9 @@ def main(argv: list[str] | None = None, train_fn: TrainFn = train_on) -> int:
     """Parse the flags and train (`train_fn`: what each process runs once its group started)."""
     cfg = parse_args(argv)
     try:
+        # fault_tolerance=torchft only: a replica group's variables need train_ft.py, not train.py.
+        if train_fn is train_on and importlib.util.find_spec(f"{__package__}.fault_tolerance"):
+            importlib.import_module(f"{__package__}.fault_tolerance").refuse_plain_run(os.environ)
         world = resolve_world(local_rank_flag=cfg.local_rank)
         if cfg.nprocs > 1:
             if world.launcher != "none":
