@@ -32,7 +32,12 @@ def main(argv: list[str]) -> int:
         state, meta = model_and_meta(Path(argv[0]))
         cfg = Config.from_dict(meta.get("config", {}))
         model = task.build_model(cfg)
-        model.load_state_dict(state)
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as exc:  # task.py changed since: load_state_dict's many lines
+            detail = (str(exc).splitlines()[1:] or [str(exc)])[0].strip()
+            raise SetupError(f"{argv[0]} does not fit the model task.py builds now ({detail}); "
+                             "use a checkpoint of this model") from None
         model.eval()
         with torch.no_grad():
             for line in task.predict(model, argv[1:], cfg):

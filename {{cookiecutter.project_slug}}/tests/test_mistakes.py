@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import (
+    PROJECT_ROOT,
     TRAIN,
     child_env,
     ckpt_name,
@@ -25,6 +27,7 @@ from conftest import (
     one_error,
     python_train,
     read_metrics,
+    run_cmd,
     skip_unless_example_task,
     summary,
     torchrun,
@@ -117,6 +120,10 @@ CASES = {
     "resume-garbage": Case(["--resume", "garbage.pt"], "--resume garbage.pt: cannot load it (not "
                            "a checkpoint file: torch.save writes a zip archive",
                            prepare="garbage.pt"),
+    "resume-plain-tensors": Case(["--resume", "tensors.pt"], "--resume tensors.pt: cannot load "
+                                 "it (not a checkpoint of this project", prepare="tensors.pt"),
+    "resume-an-export": Case(["--resume", "export.pt"], "--resume export.pt: cannot load it (an "
+                             "export, which holds the model's weights only", prepare="export.pt"),
     "resume-empty-folder": Case(["--resume", "half"], "--resume half: cannot load it (a folder "
                                 "without a checkpoint's .metadata", prepare="half"),
     "resume-folder-of-checkpoints": Case(["--resume", "checkpoints"], "--resume checkpoints is a "
@@ -133,8 +140,19 @@ CASES = {
     "rank-set-by-hand": Case([], "RANK=1 and WORLD_SIZE=2 are set in the environment but "
                              "LOCAL_RANK is not, so no launcher started this process",
                              env={"RANK": "1", "WORLD_SIZE": "2"}),
-    "rank-outside-world": Case([], "rank 5 is outside a world of 2 processes",
-                               env={"RANK": "5", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}),
+    "rank-outside-world": Case([], "torchrun: rank 5 is outside a world of 2 processes",
+                               env={"RANK": "5", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                                    "TORCHELASTIC_RUN_ID": "x"}),
+    "rank-outside-world-set-by-hand": Case([], "RANK=5 is outside a world of WORLD_SIZE=2 "
+                                           "processes, and no launcher set them",
+                                           env={"RANK": "5", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}),
+    # A store nobody runs (nothing listens on port 9): the line names the address as given.
+    "tcp-store-not-there": Case(["--init-method", "tcp://127.0.0.1:9", "--timeout-s", "3"],
+                                "to join at the TCP store at 127.0.0.1:9",
+                                env={"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}),
+    "tcp-store-not-there-ipv6": Case(["--init-method", "tcp://[::1]:9", "--timeout-s", "3"],
+                                     "to join at the TCP store at [::1]:9",
+                                     env={"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}),
     "master-port-not-a-number": Case([], "MASTER_PORT='http' is not an integer",
                                      env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                                           "MASTER_PORT": "http"}),
@@ -215,6 +233,12 @@ def prepare(workdir: Path, what: str) -> list[str]:
     """Files for a case; returns the script to run (and its arguments)."""
     if what in FILES:
         (workdir / what).write_text(FILES[what])
+    elif what == "tensors.pt":  # a torch.save of something else
+        torch.save({"weight": torch.zeros(3), "bias": torch.zeros(1)}, workdir / what)
+    elif what == "export.pt":
+        newest = list_checkpoints(workdir / "checkpoints")[0]
+        ok(run_cmd([sys.executable, "-m", "{{ cookiecutter.package_name }}.checkpoint", "export",
+                    str(newest), str(workdir / what)], workdir))
     elif what == "half":
         (workdir / "half").mkdir()
     elif what == "nan-after-step-4":
@@ -266,6 +290,30 @@ def test_mistake(name, finished_run, tmp_path, monkeypatch, capsys):
     assert time.monotonic() - started < 100
     for path, step in before.items():  # nothing that was there is lost
         assert unreadable(path) is None and read_meta(path)["step"] == step, path
+
+
+@pytest.mark.parametrize("what, says", [
+    ("garbage.pt", "garbage.pt: cannot load it (not a checkpoint file: torch.save writes a zip"),
+    ("tensors.pt", "tensors.pt: cannot load it (not a checkpoint of this project"),
+    ("no/such.pt", "no/such.pt: no such file or folder"),
+    ("half", "half: cannot load it (a folder without a checkpoint's .metadata")])
+def test_predict_on_what_is_not_a_checkpoint_is_one_line(finished_run, tmp_path, what, says):
+    workdir = tmp_path / "run"
+    shutil.copytree(finished_run, workdir)
+    prepare(workdir, what)
+    result = run_cmd([sys.executable, str(PROJECT_ROOT / "scripts/predict.py"), what, "input"],
+                     workdir)
+    assert result.returncode == 1 and says in one_error(result)
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--keep-best", "--early-stop"])
+def test_a_misspelt_metric_is_refused_before_training(workdir, flag):
+    goal = "val_acc:max" + (":2" if flag == "--early-stop" else "")
+    result = python_train([*BASE[1:], flag, goal, "--log-every", "1"], workdir)
+    line = one_error(result)
+    assert f"{flag} val_acc: the evaluation reports no such metric (it reports val_" in line
+    assert " step " not in result.stdout and not list_checkpoints(workdir / "checkpoints")
 
 
 def test_the_table_is_long_enough():

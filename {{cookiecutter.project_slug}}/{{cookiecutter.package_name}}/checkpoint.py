@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,31 @@ def read_meta(path: Path) -> dict[str, Any]:
         return json.loads((path / META).read_text())
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     return {k: v for k, v in state.items() if k not in ("model", "optimizer", "rng")}
+
+
+def unreadable(path: Path, resuming: bool = False) -> str | None:
+    """Why a checkpoint cannot be loaded (or, `resuming`, resumed from), or None if it can. Reads
+    only its structure (a truncated file fails here) and its metadata, not its tensors."""
+    if path.is_dir() and not is_complete(path):
+        if any(path.glob("*.distcp")):
+            return "incomplete: its save did not finish"
+        return "a folder without a checkpoint's .metadata and meta.json"
+    if not is_complete(path):
+        return "empty: its save did not finish"
+    if path.is_file() and not zipfile.is_zipfile(path):
+        return "not a checkpoint file: torch.save writes a zip archive; or one cut short"
+    try:
+        keys = set(read_meta(path)) if path.is_dir() else set(
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+    if "step" not in keys or (path.is_file() and "model" not in keys):
+        return ("not a checkpoint of this project: it has no 'model' and 'step' (a torch.save of "
+                "something else?)")
+    if resuming and path.is_file() and "optimizer" not in keys:
+        return ("an export, which holds the model's weights only: resume from a checkpoint of "
+                "--checkpoint-dir")
+    return None
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -283,8 +309,11 @@ def export(source: Path, output: Path) -> None:
 
 def model_and_meta(source: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The plain model state_dict of any checkpoint (file, folder or export) and its metadata."""
-    if not is_complete(source):
-        raise SetupError(f"{source} is not a complete checkpoint")
+    if not source.exists():
+        raise SetupError(f"{source}: no such file or folder")
+    why = unreadable(source)
+    if why:
+        raise SetupError(f"{source}: cannot load it ({why})")
     if source.is_dir():
         from .sharded import load_full_model_state
         return load_full_model_state(source), read_meta(source)

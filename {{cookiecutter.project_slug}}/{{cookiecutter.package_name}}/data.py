@@ -256,11 +256,13 @@ def worker_context() -> Any:
     # The server inherits the blocked stop signals across its exec, and its workers from it: a
     # SIGTERM that reaches it before a worker's _worker_init runs is held too. Here they wait
     # only for as long as the server takes to start, then are delivered.
-    # (First the resource tracker, which ensure_running starts too: starting it unblocks SIGTERM.)
-    resource_tracker.ensure_running()
+    # The resource tracker too, which the server needs: starting it unblocks SIGTERM, hence the
+    # block before each.
     old = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_BLOCKED)
     try:
-        forkserver.ensure_running()
+        for server in (resource_tracker, forkserver):
+            signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_BLOCKED)
+            server.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
     return context

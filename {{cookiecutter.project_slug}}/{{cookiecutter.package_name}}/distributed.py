@@ -108,7 +108,11 @@ class Rendezvous:
         if self.kind == "file":
             return f"the file {self.path}"
         owner = "torchrun's store" if self.kind == "agent" else "the TCP store"
-        return f"{owner} at {self.host}:{self.port}"
+        return f"{owner} at {self.address}"
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
 INIT_METHODS = "env, tcp, file, tcp://HOST:PORT, file:///abs/path or a path like ./rdzv/store"
@@ -249,7 +253,7 @@ def _hint(rdzv: Rendezvous, world: World) -> str:
         return (f"check that all {world.world_size} processes were started and see the same file; "
                 f"if a killed run left {rdzv.path} behind, delete it")
     return (f"check that all {world.world_size} processes were started with the same "
-            f"MASTER_ADDR/MASTER_PORT, that {rdzv.host}:{rdzv.port} is reachable from every node "
+            f"MASTER_ADDR/MASTER_PORT, that {rdzv.address} is reachable from every node "
             "and that no other program listens there")
 
 
@@ -283,6 +287,8 @@ def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
             raise
         except Exception as exc:  # a timeout, a refused or reset connection, a foreign server
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if " trying to connect to (" in first:  # torch's copy of the address can be garbled
+                first = f"{first.split(' trying to connect to (')[0]} trying to connect"
             route = route_to(rdzv.host or world.master_addr)
             if "connectFullMesh" in first and route is not None and not route.loopback:
                 # Several machines, and the store worked: the address peers were told did not.

@@ -92,6 +92,11 @@ class TorchrunEnvironment:
                              "the environment but LOCAL_RANK is not, so no launcher started this "
                              "process; unset RANK and WORLD_SIZE to train in one process, or "
                              "start it with torchrun, which sets all three")
+        if check and "TORCHELASTIC_RUN_ID" not in env and not 0 <= rank < world_size:
+            raise SetupError(f"RANK={rank} is outside a world of WORLD_SIZE={world_size} "
+                             "processes, and no launcher set them (TORCHELASTIC_RUN_ID is unset): "
+                             f"set RANK from 0 to {world_size - 1}, or unset RANK, WORLD_SIZE and "
+                             "LOCAL_RANK to train in one process")
         if check:
             _check_ranks(rank, local_rank, world_size, "torchrun")
         local_world_size = (_int_var(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env

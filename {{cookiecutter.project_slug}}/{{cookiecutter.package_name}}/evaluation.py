@@ -53,6 +53,23 @@ class Evaluator:
             averages = self.task.finalize_metrics(averages)
         return {f"val_{k}": v for k, v in averages.items()}
 
+    @torch.no_grad()
+    def reported(self, model: nn.Module, autocast: Any) -> list[str]:
+        """The `val_*` names `run` reports, from one validation batch: a metric named in a flag
+        is checked before training, not after an epoch (every rank runs this: under fsdp the
+        forward gathers weights)."""
+        model.eval()
+        with autocast():
+            values = self.task.eval_metrics(model, move_to(next(iter(self.loader)), self.device))
+        model.train()
+        if isinstance(model, FSDPModule):
+            model.reshard()
+        averages = {k: 1.0 for k in self._names(values)
+                    if k != "count" and not k.endswith("_count")}
+        if hasattr(self.task, "finalize_metrics"):
+            averages = self.task.finalize_metrics(averages)
+        return [f"val_{k}" for k in averages]
+
     @staticmethod
     def _names(values: dict[str, Any]) -> list[str]:
         """The metric names, sorted: the same order on every rank (padding batches count here, so
@@ -94,14 +111,17 @@ class ModelSelection:
         self.pending_save = False  # a new best, to be saved at this step
         self.should_stop = False
 
+    def check(self, reported: list[str]) -> None:
+        """Refuse a metric the evaluation does not report (before training, see Evaluator)."""
+        for goal, flag in ((self.keep, "--keep-best"), (self.stop, "--early-stop")):
+            if goal and goal[0] not in reported:
+                raise SetupError(f"{flag} {goal[0]}: the evaluation reports no such metric (it "
+                                 f"reports {', '.join(reported)})", everywhere=True)
+
     def update(self, metrics: dict[str, float], step: int) -> list[str]:
         """Take one evaluation's metrics; returns what to tell the user."""
         notes = []
-        for goal in filter(None, (self.keep, self.stop)):
-            if goal[0] not in metrics:
-                raise SetupError(f"{goal[0]}: the evaluation reports no such metric (it reports "
-                                 f"{', '.join(metrics)}); fix --keep-best / --early-stop",
-                                 everywhere=True)
+        self.check(list(metrics))
         if self.keep:
             name, maximize = self.keep
             if not self.best or _better(metrics[name], self.best["value"], maximize):

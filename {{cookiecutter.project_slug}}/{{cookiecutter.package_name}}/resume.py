@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import sys
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -18,30 +17,12 @@ import torch
 import torch.distributed as dist
 
 from . import sharded
-from .checkpoint import is_complete, list_checkpoints, load_checkpoint, read_meta
+from .checkpoint import is_complete, list_checkpoints, load_checkpoint, read_meta, unreadable
 from .config import Config
 from .failures import SetupError
 
 
 # ---------------------------------------------------------------------- which checkpoint
-def unreadable(path: Path) -> str | None:
-    """Why a checkpoint cannot be resumed from, or None if it can. Reads only its metadata: the
-    structure of a file (a truncated one fails here), the metadata of a folder."""
-    if path.is_dir() and not is_complete(path):
-        if any(path.glob("*.distcp")):
-            return "incomplete: its save did not finish"
-        return "a folder without a checkpoint's .metadata and meta.json"
-    if not is_complete(path):
-        return "empty: its save did not finish"
-    if path.is_file() and not zipfile.is_zipfile(path):
-        return "not a checkpoint file: torch.save writes a zip archive; or one cut short"
-    try:
-        read_meta(path)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
-    return None
-
-
 def pick_checkpoint(resume: str, directory: str | Path) -> Path | None:
     """What --resume asks for (rank 0): never -> None, auto -> the newest that reads, or PATH."""
     if resume == "never":
@@ -52,13 +33,13 @@ def pick_checkpoint(resume: str, directory: str | Path) -> Path | None:
             raise SetupError(f"--resume {resume} is a folder of checkpoints, not one; name one of "
                              f"them (the newest is {inside[0]}), or use --resume auto "
                              f"--checkpoint-dir {resume}")
-        why = unreadable(Path(resume))
+        why = unreadable(Path(resume), resuming=True)
         if why:
             raise SetupError(f"--resume {resume}: cannot load it ({why}); pick another checkpoint "
                              "or use --resume auto")
         return Path(resume)
     for path in list_checkpoints(directory):
-        why = unreadable(path)
+        why = unreadable(path, resuming=True)
         if why is None:
             return path
         # A kill during a copy, a full disk: fall back to the one before.

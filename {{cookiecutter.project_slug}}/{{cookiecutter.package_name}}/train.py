@@ -205,7 +205,7 @@ def run(cfg: Config, world: World, train_fn: TrainFn = train_on) -> dict:
                   flush=True)
         peers = PeerErrors(store, world.rank, world.world_size,
                            route.address if route and not route.loopback else "",
-                           f" at {rdzv.host}:{rdzv.port}" if rdzv.port else "")
+                           f" at {rdzv.address}" if rdzv.port else "")
         peers.announce()
         try:
             return train_fn(cfg, world, backend, devices, lifeline)

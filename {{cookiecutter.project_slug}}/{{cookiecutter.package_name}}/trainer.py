@@ -409,6 +409,9 @@ class Trainer:
                 print(f"this run is complete: {where}; raise --epochs or --max-steps, or use "
                       "--resume never to start over", flush=True)
             return {"complete": True, "steps": self.step}  # summary and metrics stay as they are
+        if self.selection.keep or self.selection.stop:  # a misspelt metric: before training
+            model = self.model if self.dcp is not None else self.raw  # as in _evaluate
+            self.selection.check(self.evaluator.reported(model, self.optim.autocast))
         with self.lifeline.waiting("rank 0 to start the metrics and tracker",
                                    "check rank 0's output"):
             agree(self._open_metrics, self.comm_device)

@@ -20,6 +20,8 @@ predict(model, inputs, cfg) -> one line per input (scripts/predict.py).
 
 from __future__ import annotations
 
+import copy
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,25 +69,65 @@ def synthetic_images(size: int, seed: int) -> InMemoryDataset:
     return InMemoryDataset(images, labels)
 
 
-def image_files(folder: Path) -> list[Path]:
-    """The files of `folder` whose suffix Pillow knows as an image format (others are skipped, as
-    torchvision's ImageFolder does)."""
+def entries(folder: Path, root: str | Path) -> list[Path]:
+    try:
+        return sorted(folder.iterdir())
+    except OSError as exc:  # e.g. no permission: one line, not a traceback
+        raise SetupError(f"--data {root}: cannot list {folder} ({exc.strerror}); fix its "
+                         "permissions or remove it", everywhere=True) from None
+
+
+def broken_link(root: str | Path, path: Path, hint: str = "") -> SetupError:
+    """A link that leads nowhere (a loop such as `c -> c`, or a missing target), with why."""
+    try:
+        path.stat()
+        why = "it changed while being read"
+    except OSError as exc:
+        why = exc.strerror
+    return SetupError(f"--data {root}: {path} cannot be read (a link to {os.readlink(path)}: "
+                      f"{why}); fix the link or remove it{hint}", everywhere=True)
+
+
+def image_files(folder: Path, root: str | Path, keep_broken: bool = False) -> list[Path]:
+    """The files of `folder` with an image suffix (others are skipped, as ImageFolder does). An
+    image that is a broken link is an error, or with keep_broken kept (to fail decoding)."""
     suffixes = Image.registered_extensions()
-    return [path for path in sorted(folder.iterdir())
-            if path.is_file() and path.suffix.lower() in suffixes]
+    files = []
+    for path in entries(folder, root):
+        if path.suffix.lower() in suffixes and path.is_file():
+            files.append(path)
+        elif path.suffix.lower() in suffixes and path.is_symlink() and not path.exists():
+            if not keep_broken:
+                raise broken_link(root, path, ", or pass --skip-bad-images to leave such "
+                                              "files out")
+            files.append(path)
+    return files
 
 
 def read_image(path: Path) -> torch.Tensor:
     """An image file as a CHANNELS x H x W uint8 tensor (grey and colour-mapped images become
-    RGB). A file that cannot be decoded is one `error:` line naming it."""
+    RGB; 16-bit grey, and 32-bit grey in 0..65535 or in 0..1 (floats), is scaled to 8 bits). A
+    file that cannot be decoded is one `error:` line naming it."""
     try:
         with Image.open(path) as image:
-            rgb = image.convert("RGB")  # decodes the whole file: a truncated one fails here
+            # convert() decodes the whole file: a truncated one fails here. 16-bit grey widens to
+            # "I" losslessly, where "RGB" would clip every value above 255 to white.
+            wide = image.mode in ("I", "F") or image.mode.startswith("I;16")
+            image = image.convert("F" if image.mode == "F" else "I" if wide else "RGB")
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise SetupError(f"--data: {path} cannot be decoded as an image ({exc}); remove or "
                          "replace it, or pass --skip-bad-images to leave such files out") from None
-    pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
-    return pixels.view(rgb.height, rgb.width, CHANNELS).permute(2, 0, 1)
+    if not wide:
+        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+        return pixels.view(image.height, image.width, CHANNELS).permute(2, 0, 1)
+    dtype, top = (torch.float32, 1.0) if image.mode == "F" else (torch.int32, 65535)
+    values = torch.frombuffer(bytearray(image.tobytes()), dtype=dtype).float()
+    if not ((values >= 0) & (values <= top)).all():  # NaN too: no known scale to 8 bits
+        raise SetupError(f"--data: {path} is a 32-bit image with values outside 0..{top:g}; "
+                         "convert it to 8 or 16 bits, or pass --skip-bad-images to leave such "
+                         "files out")
+    grey = values.mul(255 / top).round().to(torch.uint8)
+    return grey.view(1, image.height, image.width).repeat(CHANNELS, 1, 1)
 
 
 class ImageFolder(Dataset):
@@ -97,9 +139,10 @@ class ImageFolder(Dataset):
         self.files = []
         for label, name in enumerate(self.classes):
             folder = Path(root) / name
-            files = image_files(folder)
+            files = image_files(folder, root, keep_broken=skip_bad)
             if not files:
-                deeper = [p for p in folder.iterdir() if p.is_dir() and image_files(p)]
+                deeper = [p for p in entries(folder, root)
+                          if p.is_dir() and image_files(p, root, keep_broken=True)]
                 why = (f"its images are one folder too deep ({deeper[0]}): move them up"
                        if deeper else "put its images in it, or remove the folder")
                 raise SetupError(f"--data {root}: class {name!r} has no images; {why}",
@@ -142,8 +185,14 @@ def decodes(path: Path) -> bool:
 
 
 def class_names(root: str | Path) -> list[str]:
-    names = sorted(p.name for p in Path(root).iterdir() if p.is_dir()) if Path(root).is_dir() \
-        else []
+    """The class folders of `root`, sorted. An entry that is a broken link is an error: leaving it
+    out would train a model with one class too few."""
+    names = []
+    for path in entries(Path(root), root) if Path(root).is_dir() else []:
+        if path.is_dir():
+            names.append(path.name)
+        elif path.is_symlink() and not path.exists():  # a loop, or its target is gone
+            raise broken_link(root, path)
     if len(names) < 2:
         raise SetupError(f"--data {root}: expected a folder with one sub-folder per class (at "
                          "least two)", everywhere=True)
@@ -155,8 +204,8 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     plus --val-fraction of that as validation. A folder: --val-fraction of its images held out."""
     if cfg.data:
         train_files = ImageFolder(cfg.data, augment=True, skip_bad=cfg.task.skip_bad_images)
-        val_files = ImageFolder(cfg.data, augment=False)
-        val_files.files = train_files.files  # the same files, checked once
+        val_files = copy.copy(train_files)  # the same files, listed and checked once
+        val_files.augment = False
         n_val = int(len(train_files) * cfg.val_fraction)
         train, val = split_for_validation(len(train_files), n_val, cfg.seed)
         train_set = Subset(train_files, train.tolist())
