@@ -1,6 +1,6 @@
 """What a run reports: rank 0's metrics.jsonl, summary.json and config.json, the tracker, the
-progress bar, step times and peak memory. Everything here does nothing on other ranks, so callers
-need not check the rank."""
+progress bar, step times and peak memory. Each writer is told whether this rank writes (rank 0
+only), and is silent elsewhere."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ class Progress:
 
 class StepClock:
     """The end of every optimizer step on the host clock, and on a GPU also a CUDA event per step
-    (the host clock only sees kernel launches there). The benchmark times every variant with it."""
+    (the host clock only sees kernel launches there). `--step-times` writes what it measured."""
 
     WARMUP = 20  # steps dropped from the statistics: allocators and DDP's buckets warm up
 

@@ -61,8 +61,8 @@ from .trainer import Data, Runtime, Trainer
 from .workarounds import exit_process, stop_stuck_agent
 
 STARTED_AT = time.time()  # when this process imported the code: the start of "time to first step"
-# What a process runs once its process group started: train_on, or a variant of it (a module
-# that builds the Trainer with other parts and calls main with its own train_fn).
+# What a process runs once its process group started: train_on, or another function that builds
+# the Trainer with other parts and calls main with it (your own entry script can).
 TrainFn = Callable[[Config, World, str, list[torch.device], Lifeline], dict]
 
 
