@@ -1,8 +1,9 @@
-"""Predict with a trained model: python scripts/predict.py CHECKPOINT INPUT [INPUT ...]
+"""Predict with a trained model: python scripts/predict.py [--raw-weights] CHECKPOINT INPUT [...]
 
 CHECKPOINT: a checkpoint file or folder, or an export (`python -m
 {{ cookiecutter.package_name }}.checkpoint export`). The model is built by task.py with the settings
-saved in it, and its weights load with weights_only=True (tensors, never code). task.predict turns
+saved in it, and its weights load with weights_only=True (tensors, never code): the EMA's if the
+run kept one (--ema-decay), the model's own with --raw-weights. task.predict turns
 the inputs (image files, numbers, a prompt: whatever the task reads) into one line of output each.
 """
 
@@ -22,6 +23,8 @@ from {{ cookiecutter.package_name }}.failures import SetupError  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
+    raw_weights = "--raw-weights" in argv
+    argv = [arg for arg in argv if arg != "--raw-weights"]
     if len(argv) < 2:
         print(__doc__.strip().splitlines()[0], file=sys.stderr)
         return 2
@@ -29,7 +32,7 @@ def main(argv: list[str]) -> int:
         if not hasattr(task, "predict"):
             raise SetupError("task.py has no predict(model, inputs, cfg); add one (see the "
                              "example tasks)")
-        state, meta = model_and_meta(Path(argv[0]))
+        state, meta = model_and_meta(Path(argv[0]), raw_weights)
         cfg = Config.from_dict(meta.get("config", {}))
         model = task.build_model(cfg)
         try:

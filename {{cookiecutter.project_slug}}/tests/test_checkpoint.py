@@ -24,8 +24,8 @@ from {{ cookiecutter.package_name }}.resume import pick_checkpoint
 
 def _state(step: int) -> dict:
     torch.manual_seed(step)
-    return {"model": {"w": torch.randn(4, 3)}, "step": step, "epoch": 0, "world_size": 1,
-            "config": {"lr": 0.1, "data": None}}
+    return {"model": {"w": torch.randn(4, 3)}, "optimizer": {"state": {}, "param_groups": []},
+            "step": step, "epoch": 0, "world_size": 1, "config": {"lr": 0.1, "data": None}}
 
 
 def _dir(path, keep_last=0) -> CheckpointDir:
@@ -149,4 +149,5 @@ def test_export_of_a_file_checkpoint(tmp_path):
     path = folder.save_file({**_state(3), "optimizer": {"state": {}}}, 3)
     export(path, tmp_path / "out.pt")
     out = torch.load(tmp_path / "out.pt", weights_only=True)
-    assert set(out) == {"model", "epoch", "step", "world_size", "config"}
+    assert set(out) == {"model", "epoch", "step", "world_size", "config", "weights"}
+    assert out["weights"] == "raw"  # no EMA in this checkpoint

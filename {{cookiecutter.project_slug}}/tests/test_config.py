@@ -19,7 +19,7 @@ DOCUMENTED_FLAGS = [
     "--config", "--model-layout", "--tracker", "--profile-steps", "--run-name", "--eval-only",
     "--eval-every-steps", "--keep-best", "--early-stop", "--bucket-cap-mb", "--static-graph",
     "--comm-hook", "--gradient-as-bucket-view", "--no-gradient-as-bucket-view",
-    "--powersgd-rank", "--powersgd-warmup-steps",
+    "--powersgd-rank", "--powersgd-warmup-steps", "--ema-decay",
 ]
 
 

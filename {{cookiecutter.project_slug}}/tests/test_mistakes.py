@@ -61,6 +61,8 @@ CASES = {
     "lr-negative": Case(["--lr", "-1"], "--lr: must be a finite number greater than 0", 2),
     "lr-text": Case(["--lr", "fast"], "argument --lr: invalid number value: 'fast'", 2),
     "weight-decay-negative": Case(["--weight-decay", "-1"], "--weight-decay: must be", 2),
+    "ema-decay-one": Case(["--ema-decay", "1"], "--ema-decay: must be 0 (off) or between 0 and 1",
+                          2),
     "clip-grad-negative": Case(["--clip-grad", "-1"], "--clip-grad: must be", 2),
     "clip-grad-nan": Case(["--clip-grad", "nan"], "--clip-grad: must be a finite number", 2),
     "timeout-inf": Case(["--timeout-s", "inf"], "--timeout-s: must be a finite number", 2),

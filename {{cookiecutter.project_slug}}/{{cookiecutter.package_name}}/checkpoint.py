@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .ema import model_state
 from .failures import SetupError
 
 _NAME = re.compile(r"^ckpt_step(\d{8,})(\.pt)?$")
@@ -299,26 +300,33 @@ class Staging:
         return state
 
 
-def export(source: Path, output: Path) -> None:
+def export(source: Path, output: Path, raw_weights: bool = False) -> None:
     """Any checkpoint (file or folder) as one file that loads with `weights_only=True`: `model`
-    (the plain state_dict), plus epoch, step, world_size and config."""
-    model, meta = model_and_meta(source)
-    keep = ("epoch", "step", "world_size", "config")
+    (the plain state_dict: the EMA's weights if the run kept one, unless `raw_weights`), which
+    weights those are, epoch, step, world_size and config."""
+    model, meta = model_and_meta(source, raw_weights)
+    keep = ("epoch", "step", "world_size", "config", "weights")
     write_file({"model": model, **{k: meta[k] for k in keep if k in meta}}, output)
 
 
-def model_and_meta(source: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The plain model state_dict of any checkpoint (file, folder or export) and its metadata."""
+def model_and_meta(source: Path, raw_weights: bool = False) -> tuple[dict[str, Any],
+                                                                      dict[str, Any]]:
+    """The plain model state_dict of any checkpoint (file, folder or export) and its metadata
+    (with `weights`: "ema" or "raw"). A checkpoint with an EMA gives the EMA's weights unless
+    `raw_weights`."""
     if not source.exists():
         raise SetupError(f"{source}: no such file or folder")
     why = unreadable(source)
     if why:
         raise SetupError(f"{source}: cannot load it ({why})")
     if source.is_dir():
-        from .sharded import load_full_model_state
-        return load_full_model_state(source), read_meta(source)
-    state = load_checkpoint(source)
-    return state["model"], state
+        from .sharded import load_full_state
+        state, meta = load_full_state(source), read_meta(source)
+    else:
+        state = meta = load_checkpoint(source)
+    averaged = bool(state.get("ema")) and not raw_weights
+    return model_state(state, raw_weights), {**meta, "weights": "ema" if averaged else
+                                             meta.get("weights", "raw")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,9 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     exp = sub.add_parser("export", help="write any checkpoint as one weights_only file")
     exp.add_argument("source", type=Path)
     exp.add_argument("output", type=Path)
+    exp.add_argument("--raw-weights", action="store_true",
+                     help="the model's own weights, not the EMA's (for a run with --ema-decay)")
     args = parser.parse_args(argv)
     try:
-        export(args.source, args.output)
+        export(args.source, args.output, args.raw_weights)
     except SetupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

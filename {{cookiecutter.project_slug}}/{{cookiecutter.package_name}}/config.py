@@ -75,6 +75,7 @@ class Config:
     precision: str = "fp32"
     grad_accum: int = 1
     clip_grad: float = 0.0
+    ema_decay: float = 0.0
     max_steps: int = 0
     deterministic: bool = False
     compile: bool = False
@@ -165,6 +166,17 @@ def _float(low: float, inclusive: bool, high: float = math.inf):
         return value
     parse.__name__ = "number"
     return parse
+
+
+def _ema_decay(text: str) -> float:
+    value = float(text)
+    if not (value == 0 or 0 < value < 1):
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or between 0 and 1, e.g. 0.999; got "
+                                         f"{text}")
+    return value
+
+
+_ema_decay.__name__ = "number"
 
 
 def _goal(text: str) -> str:
@@ -258,6 +270,9 @@ def build_parser(settings: type | None = None) -> Parser:
                    help="micro-batches per optimizer step")
     g.add_argument("--clip-grad", type=_float(0, True), default=d.clip_grad,
                    help="max gradient norm, 0 = off")
+    g.add_argument("--ema-decay", type=_ema_decay, default=d.ema_decay, metavar="D",
+                   help="evaluate, save and export an exponential moving average of the weights "
+                        "(after each step: D x average + (1 - D) x weights), e.g. 0.999; 0 = off")
     g.add_argument("--max-steps", type=_int(0), default=d.max_steps,
                    help="stop after this many optimizer steps in total, 0 = no limit")
     g.add_argument("--deterministic", action="store_true",

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from .data import FixedBatches, move_to
+from .ema import EMA
 from .failures import SetupError
 
 
@@ -24,9 +25,18 @@ class Evaluator:
         self.device, self.comm_device = device, comm_device
         self.keys: list[str] | None = None  # metric names, learnt from the first batch
 
+    def run(self, model: nn.Module, autocast: Any, ema: EMA | None = None) -> dict[str, float]:
+        """The `val_*` metrics of `model`; with an EMA, of its averaged weights, and the model's
+        own as `val_raw_*` (every rank runs this: it ends in a collective)."""
+        if ema is None:
+            return self._run(model, autocast)
+        raw = self._run(model, autocast)
+        with ema.weights_in():
+            averaged = self._run(model, autocast)
+        return {**averaged, **{f"val_raw_{k[4:]}": v for k, v in raw.items()}}
+
     @torch.no_grad()
-    def run(self, model: nn.Module, autocast: Any) -> dict[str, float]:
-        """The `val_*` metrics of `model` (every rank runs this: it ends in a collective)."""
+    def _run(self, model: nn.Module, autocast: Any) -> dict[str, float]:
         model.eval()
         sums: dict[str, torch.Tensor] = {}
         for j, batch in enumerate(self.loader):
@@ -54,7 +64,7 @@ class Evaluator:
         return {f"val_{k}": v for k, v in averages.items()}
 
     @torch.no_grad()
-    def reported(self, model: nn.Module, autocast: Any) -> list[str]:
+    def reported(self, model: nn.Module, autocast: Any, ema: EMA | None = None) -> list[str]:
         """The `val_*` names `run` reports, from one validation batch: a metric named in a flag
         is checked before training, not after an epoch (every rank runs this: under fsdp the
         forward gathers weights)."""
@@ -68,7 +78,7 @@ class Evaluator:
                     if k != "count" and not k.endswith("_count")}
         if hasattr(self.task, "finalize_metrics"):
             averages = self.task.finalize_metrics(averages)
-        return [f"val_{k}" for k in averages]
+        return [f"val_{k}" for k in averages] + [f"val_raw_{k}" for k in averages if ema]
 
     @staticmethod
     def _names(values: dict[str, Any]) -> list[str]:

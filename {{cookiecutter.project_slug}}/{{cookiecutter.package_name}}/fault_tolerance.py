@@ -350,6 +350,9 @@ def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device
         raise SetupError(f"train_ft.py needs --model-layout data_parallel (torchft averages whole "
                          f"gradients across the replica groups), not {cfg.model_layout}",
                          everywhere=True)
+    if cfg.ema_decay:
+        raise SetupError("train_ft.py does not take --ema-decay yet: a replica group that heals "
+                         "would not get the others' average; train without it", everywhere=True)
     if cfg.comm_hook == "powersgd":
         raise SetupError("train_ft.py does not take --comm-hook powersgd: its state (each rank's "
                          "error feedback) is not copied when a replica group heals, so the groups "

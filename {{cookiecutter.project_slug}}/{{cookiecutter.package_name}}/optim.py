@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .config import Config
+from .ema import EMA
 from .failures import SetupError
 from .parallel import unwrap
 
@@ -66,6 +67,7 @@ class Optimization:
         # fsdp on CUDA casts through its own mixed-precision policy instead of autocast.
         self.amp_dtype = AMP_DTYPES[cfg.precision] if autocast else None
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16")
+        self.ema = EMA(unwrap(model), cfg.ema_decay) if cfg.ema_decay else None
 
     def autocast(self) -> contextlib.AbstractContextManager:
         # In fp32 skip autocast altogether: even a disabled autocast costs microseconds a step.
@@ -86,6 +88,8 @@ class Optimization:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update()
         return True
 
     def lr(self) -> float:

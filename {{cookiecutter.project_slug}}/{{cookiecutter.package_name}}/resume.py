@@ -19,6 +19,7 @@ import torch.distributed as dist
 from . import sharded
 from .checkpoint import is_complete, list_checkpoints, load_checkpoint, read_meta, unreadable
 from .config import Config
+from .ema import EMA
 from .failures import SetupError
 
 
@@ -67,19 +68,28 @@ def check_same_shapes(model_state: dict[str, torch.Tensor], saved: dict[str, Any
 
 
 def load_snapshot(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  world_size: int, rank: int, batch_size: int,
-                  device: torch.device) -> dict[str, Any]:
-    """Load a checkpoint (file or folder, from any layout) into this rank's model and optimizer;
-    returns its metadata. Random states are restored when the world and batch size are the same:
-    then the run continues bit for bit."""
+                  world_size: int, rank: int, batch_size: int, device: torch.device,
+                  ema: EMA | None = None) -> dict[str, Any]:
+    """Load a checkpoint (file or folder, from any layout) into this rank's model, optimizer and
+    EMA; returns its metadata. Random states are restored when the world and batch size are the
+    same: then the run continues bit for bit."""
     if path.is_dir():
         meta = read_meta(path)
-        rng = sharded.load(path, model, optimizer)
+        extra = {"ema": ema.state_dict()} if ema is not None and meta.get("has_ema") else {}
+        rng = sharded.load(path, model, optimizer, extra)
+        saved_ema = extra.get("ema")
     else:
         state = load_checkpoint(path, map_location="cpu")
         check_same_shapes(model.state_dict(), state["model"], path)
         sharded.set_full_state(model, optimizer, state["model"], state["optimizer"])
-        meta, rng = state, state.get("rng")
+        meta, rng, saved_ema = state, state.get("rng"), state.get("ema")
+    if ema is not None and saved_ema:
+        ema.load_state_dict(saved_ema)
+    elif ema is not None:  # a checkpoint of a run without one: the average starts here
+        ema.restart()
+        if rank == 0:
+            print(f"note: {path} has no EMA; --ema-decay starts averaging from its weights",
+                  flush=True)
     if (meta["world_size"], meta["batch_size"]) == (world_size, batch_size) and rng is not None:
         unpack_rng_state(rng[rank], device)
     return meta

@@ -56,12 +56,14 @@ def set_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                    options=StateDictOptions(full_state_dict=True))
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+         extra: dict[str, Any] | None = None) -> torch.Tensor | None:
     """Load a checkpoint folder into any layout (every rank); returns the saved random states
-    when they fit this world (same number of ranks), else None."""
+    when they fit this world (same number of ranks), else None. `extra`: more state the folder
+    holds (e.g. the EMA), loaded in place."""
     meta = json.loads((path / META).read_text())
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, **(extra or {})}
     if meta["world_size"] == dist.get_world_size():
         state["rng"] = torch.empty(meta["rng_shape"], dtype=torch.uint8)
     dcp.load(state, checkpoint_id=str(path))
@@ -70,14 +72,14 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> torc
     return state.get("rng")
 
 
-def load_full_model_state(path: Path) -> dict[str, torch.Tensor]:
-    """A checkpoint folder's model as one plain state_dict, without a process group (export)."""
+def load_full_state(path: Path) -> dict[str, Any]:
+    """A checkpoint folder's state with whole tensors, without a process group (export)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with __import__("tempfile").TemporaryDirectory() as tmp:
         whole = Path(tmp) / "whole.pt"
         dcp_to_torch_save(str(path), str(whole))
-        return torch.load(whole, map_location="cpu", weights_only=True)["model"]
+        return torch.load(whole, map_location="cpu", weights_only=True)
 
 
 class ShardedCheckpoints:
@@ -92,14 +94,15 @@ class ShardedCheckpoints:
         self._stager: Any = None
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.Tensor,
-             meta: dict[str, Any], step: int, prepare: Callable[[], None]) -> None:
+             meta: dict[str, Any], step: int, prepare: Callable[[], None],
+             extra: dict[str, Any] | None = None) -> None:
         final = checkpoint_path(self.directory, step, sharded=True)
         tmp = final.with_name(f".{final.name}.tmp")
         meta = {**meta, "rng_shape": list(rng.shape)}
         self.wait()  # at most one save in flight
         agree(prepare, self.comm_device)
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state, "rng": rng}
+        state = {"model": model_state, "optimizer": optimizer_state, "rng": rng, **(extra or {})}
 
         def commit() -> None:  # rank 0, after every rank's shards and DCP's metadata are written
             (tmp / META).write_text(json.dumps(meta))

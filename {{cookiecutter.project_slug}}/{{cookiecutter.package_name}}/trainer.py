@@ -136,7 +136,7 @@ class Trainer:
         path = Path(choice)
         try:
             meta = load_snapshot(path, self.raw, self.optim.optimizer, self.world.world_size,
-                                 self.world.rank, self.cfg.batch_size, self.device)
+                                 self.world.rank, self.cfg.batch_size, self.device, self.optim.ema)
         except SetupError:
             raise
         except (Exception, CheckpointException) as exc:  # its metadata read, but not all loads
@@ -204,8 +204,9 @@ class Trainer:
             "selection": self.selection.state_dict(),
         }
         if self.dcp is not None:
-            self.dcp.save(self.raw, self.optim.optimizer, rng, meta, self.step,
-                          self._prepare_folder)
+            ema = self.optim.ema
+            self.dcp.save(self.raw, self.optim.optimizer, rng, {**meta, "has_ema": ema is not None},
+                          self.step, self._prepare_folder, ema and {"ema": ema.state_dict()})
         else:
             if self.comm_hook is not None:  # every rank's part: a collective
                 meta["comm_hook"] = self.comm_hook.state_dict(self.comm_device)
@@ -217,6 +218,8 @@ class Trainer:
         self._prepare_folder()
         state = {"model": self.raw.state_dict(), "optimizer": self.optim.optimizer.state_dict(),
                  "rng": rng, **meta}
+        if self.optim.ema is not None:
+            state["ema"] = self.optim.ema.state_dict()
         if self.staging is None:
             self.ckpt_dir.save_file(state, self.step)
         else:
@@ -323,7 +326,7 @@ class Trainer:
         if self.evaluator is None:
             return
         model = self.model if self.dcp is not None else self.raw  # fsdp needs its wrapper
-        self.val_metrics = self.evaluator.run(model, self.optim.autocast)
+        self.val_metrics = self.evaluator.run(model, self.optim.autocast, self.optim.ema)
         self.metrics.log({"step": self.step, "epoch": epoch, **self.val_metrics})
         notes = self.selection.update(self.val_metrics, self.step)
         if self.world.is_main:
@@ -340,7 +343,7 @@ class Trainer:
                              f"--checkpoint-dir {self.cfg.checkpoint_dir}; name one with --resume "
                              "PATH", everywhere=True)
         model = self.model if self.dcp is not None else self.raw
-        metrics = self.evaluator.run(model, self.optim.autocast)
+        metrics = self.evaluator.run(model, self.optim.autocast, self.optim.ema)
         result = {"checkpoint": self.resumed_from, "step": self.step, **metrics}
         if self.world.is_main:
             shown = ", ".join(f"{k} {v:.5g}" for k, v in metrics.items())
@@ -411,7 +414,8 @@ class Trainer:
             return {"complete": True, "steps": self.step}  # summary and metrics stay as they are
         if self.selection.keep or self.selection.stop:  # a misspelt metric: before training
             model = self.model if self.dcp is not None else self.raw  # as in _evaluate
-            self.selection.check(self.evaluator.reported(model, self.optim.autocast))
+            self.selection.check(self.evaluator.reported(model, self.optim.autocast,
+                                                         self.optim.ema))
         with self.lifeline.waiting("rank 0 to start the metrics and tracker",
                                    "check rank 0's output"):
             agree(self._open_metrics, self.comm_device)

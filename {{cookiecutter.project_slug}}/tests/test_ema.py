@@ -1,0 +1,147 @@
+"""--ema-decay: the average follows its formula, survives a SIGKILL bit for bit under every layout,
+is what evaluation reports and what the export holds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    PROJECT_ROOT,
+    TRAIN,
+    child_env,
+    load_state,
+    needs_numpy,
+    ok,
+    python_train,
+    read_metrics,
+    run_cmd,
+    torchrun,
+    torchrun_cmd,
+)
+
+from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
+from {{ cookiecutter.package_name }}.config import Config
+from {{ cookiecutter.package_name }}.data import BatchFetcher, move_to, validation_batches
+
+pytestmark = pytest.mark.full  # the slow tier: pytest --full
+
+DECAY = 0.9
+SMALL = ["--dataset-size", "256", "--batch-size", "16", "--hidden-size", "16", "--ema-decay",
+         str(DECAY)]
+# 16 steps an epoch at 2 ranks, 64 in all, a checkpoint every 4: slow enough to kill mid-run.
+LONG = ["--dataset-size", "512", "--batch-size", "16", "--epochs", "4", "--hidden-size", "64",
+        "--save-every-steps", "4", "--keep-last", "0", "--log-every", "1000", "--ema-decay",
+        str(DECAY)]
+LAYOUTS = {
+    "data_parallel": [],
+    "model_parallel_2": ["--model-layout", "model_parallel_2", "--stage-devices", "cpu,cpu"],
+    "fsdp": ["--model-layout", "fsdp"],
+}
+
+
+def checkpoints_by_step(folder: Path) -> dict[int, dict]:
+    return {read_meta(path)["step"]: load_state(path) for path in list_checkpoints(folder)}
+
+
+def test_the_average_follows_its_formula_after_every_step(workdir):
+    """Saved after every step: each checkpoint's average is DECAY x the one before plus
+    (1 - DECAY) x its own weights, computed here as the run computes it, bit for bit."""
+    ok(python_train([*SMALL, "--max-steps", "6", "--save-every-steps", "1", "--keep-last", "0"],
+                    workdir))
+    states = checkpoints_by_step(workdir / "checkpoints")
+    assert sorted(states) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 6):
+        before, after = states[step]["ema"], states[step + 1]["ema"]
+        for name, weight in after.items():
+            expected = before[name].mul(DECAY).add(states[step + 1]["model"][name].float(),
+                                                   alpha=1.0 - DECAY)
+            assert torch.equal(expected, weight), f"step {step + 1}: {name}"
+    last = states[6]
+    assert any(not torch.equal(last["ema"][k], last["model"][k]) for k in last["ema"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers in /proc")
+@pytest.mark.parametrize("layout", [
+    "data_parallel",
+    pytest.param("model_parallel_2", marks=pytest.mark.skipif(
+        not hasattr(task, "blocks"), reason="task.py has no blocks(model) to split at")),
+    pytest.param("fsdp", marks=needs_numpy)])
+def test_a_killed_run_resumes_its_average_bit_for_bit(workdir, layout):
+    flags = [*LONG, *LAYOUTS[layout]]
+    ok(torchrun([*flags, "--checkpoint-dir", "a"], workdir))  # never interrupted
+    job = subprocess.Popen([*torchrun_cmd(2), TRAIN, "--no-progress", *flags,
+                            "--checkpoint-dir", "b"], cwd=workdir, env=child_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not [p for p in list_checkpoints(workdir / "b") if read_meta(p)["step"] >= 20]:
+        assert job.poll() is None, job.communicate()[1]
+        time.sleep(0.01)
+    workers = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()
+    os.kill(int(workers[1]), signal.SIGKILL)
+    job.communicate(timeout=120)
+    assert max(read_meta(p)["step"] for p in list_checkpoints(workdir / "b")) < 64, "too late"
+    result = ok(torchrun([*flags, "--checkpoint-dir", "b"], workdir))
+    assert "resumed from" in result.stdout
+    a, b = (load_state(list_checkpoints(workdir / name)[0]) for name in ("a", "b"))
+    assert a["step"] == b["step"] == 64
+    for part in ("ema", "model"):
+        assert a[part].keys() == b[part].keys()
+        for name in a[part]:
+            assert torch.equal(a[part][name], b[part][name]), f"{part}: {name}"
+
+
+def val_metrics(cfg: Config, weights: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The validation metrics of `weights`, computed here the way the Evaluator defines them:
+    every validation sample once, sums over batches divided by the counts."""
+    model = task.build_model(cfg)
+    model.load_state_dict(weights)
+    model.eval()
+    _, val = task.build_datasets(cfg)
+    fetch = BatchFetcher(val, getattr(task, "collate", None))
+    sums: dict[str, float] = {}
+    with torch.no_grad():
+        for key in validation_batches(len(val), 0, 1, cfg.batch_size, cfg.seed):
+            for name, value in task.eval_metrics(model, move_to(fetch.__getitems__(key),
+                                                                torch.device("cpu"))).items():
+                sums[name] = sums.get(name, 0.0) + float(value)
+    averages = {k: v / sums.get(f"{k}_count", sums.get("count", 0))
+                for k, v in sums.items() if k != "count" and not k.endswith("_count")}
+    if hasattr(task, "finalize_metrics"):
+        averages = task.finalize_metrics(averages)
+    return averages
+
+
+def test_evaluation_reports_the_average_and_the_raw_weights(workdir):
+    ok(python_train([*SMALL, "--epochs", "1", "--keep-best", "val_loss"], workdir))
+    state = load_state(list_checkpoints(workdir / "checkpoints")[0])
+    cfg = Config.from_dict(state["config"])
+    averaged = val_metrics(cfg, {**state["model"], **state["ema"]})
+    raw = val_metrics(cfg, state["model"])
+    reported = read_metrics(workdir / "runs/latest", key="val_loss")[-1]
+    for name, value in averaged.items():
+        assert reported[f"val_{name}"] == pytest.approx(value, rel=1e-5)
+        assert reported[f"val_raw_{name}"] == pytest.approx(raw[name], rel=1e-5)
+    assert abs(averaged["loss"] - raw["loss"]) > 1e-3 * abs(raw["loss"]), "the same weights?"
+    assert state["selection"]["best"]["value"] == reported["val_loss"]  # --keep-best: the EMA's
+
+
+def test_the_export_holds_the_average_unless_asked_for_the_raw_weights(workdir):
+    ok(python_train([*SMALL, "--epochs", "1"], workdir))
+    newest = list_checkpoints(workdir / "checkpoints")[0]
+    state = load_state(newest)
+    for flag, expected, weights in (([], state["ema"], "ema"),
+                                    (["--raw-weights"], state["model"], "raw")):
+        out = workdir / f"export-{weights}.pt"
+        ok(run_cmd([sys.executable, "-m", "{{ cookiecutter.package_name }}.checkpoint", "export",
+                    str(newest), str(out), *flag], PROJECT_ROOT))
+        exported = torch.load(out, weights_only=True)
+        assert exported["weights"] == weights
+        for name, value in expected.items():
+            assert torch.equal(exported["model"][name], value.to(exported["model"][name].dtype))

@@ -1,0 +1,93 @@
+"""--ema-decay: an exponential moving average of the weights, evaluated and exported in their place.
+
+After every optimizer step that was taken, `ema = decay * ema + (1 - decay) * weights`, in fp32
+on each weight's own device. Each rank averages what it holds: the whole model (data_parallel), both
+stages (model_parallel_2), or only its own shards (fsdp: the average of a shard is the shard of the
+average, so no all-gather). Buffers (e.g. BatchNorm's running statistics) are not averaged: the
+model's own are used with the averaged weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's tensor on this rank: its shard under fsdp (a DTensor), else itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+class EMA:
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        """model: the unwrapped model (the names of its state_dict)."""
+        self.decay = decay
+        named = [(name, p) for name, p in model.named_parameters()]
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        self.averages = [_local(p).detach().float().clone() for p in self.params]
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        """Start the average again from the weights as they are (a checkpoint had none)."""
+        torch._foreach_copy_(self.averages, [_local(p).float() for p in self.params])
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """After an optimizer step: fold the new weights in (no host sync, no collective)."""
+        weights = [_local(p).float() for p in self.params]
+        torch._foreach_mul_(self.averages, self.decay)
+        torch._foreach_add_(self.averages, weights, alpha=1.0 - self.decay)
+
+    @contextmanager
+    @torch.no_grad()
+    def weights_in(self) -> Iterator[None]:
+        """The model holds the averages inside the block, its own weights again after it."""
+        kept = [_local(p).clone() for p in self.params]
+        for p, average in zip(self.params, self.averages, strict=True):
+            _local(p).copy_(average)
+        try:
+            yield
+        finally:
+            for p, own in zip(self.params, kept, strict=True):
+                _local(p).copy_(own)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """name -> average, shaped as the parameter of that name (a DTensor of this rank's shard
+        under fsdp, so sharded checkpoints reshard it like the weights)."""
+        return {name: _like(p, average)
+                for name, p, average in zip(self.names, self.params, self.averages, strict=True)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, p, average in zip(self.names, self.params, self.averages, strict=True):
+            saved = state[name]
+            if hasattr(saved, "to_local"):
+                saved = saved.to_local()
+            elif hasattr(p, "to_local"):  # a whole tensor from a file, for a sharded parameter
+                from torch.distributed.tensor import distribute_tensor
+                saved = distribute_tensor(saved.to(average.device), p.device_mesh,
+                                          p.placements).to_local()
+            average.copy_(saved)
+
+
+def _like(p: torch.Tensor, average: torch.Tensor) -> torch.Tensor:
+    if not hasattr(p, "to_local"):
+        return average
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(average, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+def model_state(state: dict[str, Any], raw_weights: bool = False) -> dict[str, torch.Tensor]:
+    """A checkpoint's model state_dict, with its EMA in place of the weights when it has one (and
+    `raw_weights` is not asked for)."""
+    model = dict(state["model"])
+    if state.get("ema") and not raw_weights:
+        model.update({name: average.to(model[name].dtype)
+                      for name, average in state["ema"].items()})
+    return model
