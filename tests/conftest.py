@@ -72,7 +72,7 @@ def expected_files(package: str, answers: dict) -> set[str]:
     }
     files |= {f"tests/{name}.py" for name in (
         "conftest", "hosts", "test_backstop", "test_checkpoint", "test_config", "test_custom_task", "test_data",
-        "test_distributed", "test_ema", "test_features", "test_hangs", "test_launchers", "test_layouts",
+        "test_distributed", "test_ema", "test_features", "test_hangs", "test_hsdp", "test_launchers", "test_layouts",
         "test_mistakes", "test_nccl", "test_network", "test_recovery", "test_task", "test_tracker", "test_train")}
     files |= {f"{package}/{name}.py" for name in (
         "__init__", "backstop", "checkpoint", "comm_hooks", "config", "data", "distributed", "doctor", "ema",
@@ -84,7 +84,8 @@ def expected_files(package: str, answers: dict) -> set[str]:
     if answers.get("windows_support", False):
         files.add("scripts/train_windows.ps1")
     if answers.get("kubernetes", False):
-        files |= {"Dockerfile", ".dockerignore", "k8s/pytorchjob.yaml", "k8s/pvc.yaml"}
+        files |= {"Dockerfile", ".dockerignore", "k8s/pytorchjob.yaml", "k8s/trainjob.yaml",
+                  "k8s/pvc.yaml"}
     if answers.get("github_actions", True):
         files.add(".github/workflows/ci.yml")
     if answers.get("fault_tolerance", "none") == "torchft":

@@ -20,6 +20,7 @@ DOCUMENTED_FLAGS = [
     "--eval-every-steps", "--keep-best", "--early-stop", "--bucket-cap-mb", "--static-graph",
     "--comm-hook", "--gradient-as-bucket-view", "--no-gradient-as-bucket-view",
     "--powersgd-rank", "--powersgd-warmup-steps", "--ema-decay",
+    "--shard-group-size",
 ]
 
 

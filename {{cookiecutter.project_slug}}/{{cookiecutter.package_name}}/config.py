@@ -93,6 +93,7 @@ class Config:
     sync_bn: bool = False
     model_layout: str = DEFAULT_MODEL_LAYOUT
     stage_devices: list[str] = field(default_factory=list)
+    shard_group_size: int = 0  # fsdp: 0 = one node when the job spans several, else every rank
     backend: str = DEFAULT_BACKEND
     init_method: str = DEFAULT_INIT_METHOD
     timeout_s: float = 300.0
@@ -318,6 +319,10 @@ def build_parser(settings: type | None = None) -> Parser:
     g.add_argument("--stage-devices", type=_device_list, default=d.stage_devices,
                    metavar="DEV0,DEV1",
                    help="model_parallel_2: the two devices of this process, e.g. cuda:0,cuda:1")
+    g.add_argument("--shard-group-size", type=_int(0), default=d.shard_group_size, metavar="N",
+                   help="fsdp: shard the model over groups of N ranks and replicate it across "
+                        "the groups (HSDP); 0 = one node's ranks when the job spans several "
+                        "nodes, else all ranks (plain fsdp)")
 
     g = p.add_argument_group("distributed")
     g.add_argument("--backend", choices=["auto", "nccl", "gloo"], default=d.backend,
@@ -499,6 +504,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 # Flags that only change DDP, and those that only change --comm-hook powersgd.
 DDP_ONLY = ("bucket_cap_mb", "static_graph", "gradient_as_bucket_view", "comm_hook")
+FSDP_ONLY = ("shard_group_size",)
 POWERSGD_ONLY = ("powersgd_rank", "powersgd_warmup_steps")
 
 
@@ -510,6 +516,9 @@ def unused_settings(cfg: Config) -> list[str]:
         found += [f"--{name.replace('_', '-')} has no effect with --model-layout fsdp (FSDP "
                   "exchanges gradients itself, without DDP)" for name in DDP_ONLY
                   if name in cfg.given]
+    else:
+        found += [f"--{name.replace('_', '-')} has no effect without --model-layout fsdp"
+                  for name in FSDP_ONLY if name in cfg.given]
     if cfg.comm_hook != "powersgd":
         found += [f"--{name.replace('_', '-')} has no effect without --comm-hook powersgd"
                   for name in POWERSGD_ONLY if name in cfg.given]

@@ -5,6 +5,8 @@
   on the second device), then DDP without device_ids.
 - fsdp: FSDP2 (`fully_shard`) on each block and on the root: parameters, gradients and optimizer
   state are sharded across ranks, and gathered block by block for the forward and backward.
+  Across nodes, by default, each node's ranks share one sharded copy and the nodes replicate it
+  (HSDP, a 2-D mesh): the all-gathers stay inside a node, only gradients cross the network.
 
 A model tells the last two layouts where its blocks are through `blocks(model)` in task.py (a
 plain `nn.Sequential` needs nothing: its children are its blocks).
@@ -83,7 +85,7 @@ def _check_compile() -> None:
 
 
 def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task: Any,
-                is_main: bool) -> nn.Module:
+                is_main: bool, local_world_size: int = 0) -> nn.Module:
     """The model placed by --model-layout; returns what the training loop calls.
 
     The model was built on the CPU by task.build_model; the optimizer is built after this, on the
@@ -98,7 +100,8 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
     if cfg.compile:
         _check_compile()
     if cfg.model_layout == "fsdp":
-        return _fully_shard(model, cfg, devices[0], task, is_main)
+        shard = shard_group_size(cfg.shard_group_size, dist.get_world_size(), local_world_size)
+        return _fully_shard(model, cfg, devices[0], task, is_main, shard)
     if cfg.model_layout == "model_parallel_2":
         blocks = model_blocks(model, task)
         if blocks is None or len(blocks) < 2:
@@ -120,8 +123,19 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
     return torch.compile(wrapped) if cfg.compile else wrapped
 
 
+def shard_group_size(asked: int, world_size: int, local_world_size: int) -> int:
+    """--shard-group-size, with 0 resolved: a node's ranks when the job spans several nodes
+    (local_world_size, from the launcher), else every rank."""
+    size = asked or (local_world_size if 0 < local_world_size < world_size else world_size)
+    if size > world_size or world_size % size:
+        raise SetupError(f"--shard-group-size {size} must divide the {world_size} ranks into "
+                         "equal groups; give a divisor of the world size (0: one node each)",
+                         everywhere=True)
+    return size
+
+
 def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
-                 is_main: bool) -> nn.Module:
+                 is_main: bool, shard: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -129,7 +143,13 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
         raise SetupError("--model-layout fsdp saves checkpoints with torch.distributed.checkpoint, "
                          "which needs numpy: pip install numpy", everywhere=True)
     model.to(device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    replicas = dist.get_world_size() // shard
+    # One dimension: plain fsdp. Two: HSDP, fully_shard replicates over the first and shards
+    # over the second (each group of `shard` consecutive ranks holds one copy).
+    mesh = (init_device_mesh(device.type, (shard,)) if replicas == 1 else
+            init_device_mesh(device.type, (replicas, shard), mesh_dim_names=("replicate", "shard")))
+    if replicas > 1 and is_main:
+        print(f"fsdp: {replicas} replica group(s) of {shard} rank(s) (HSDP)", flush=True)
     kwargs: dict[str, Any] = {"mesh": mesh}
     if device.type == "cuda" and cfg.precision != "fp32":
         # Compute in bf16/fp16, reduce gradients in fp32 (autocast is not used with fsdp on CUDA).

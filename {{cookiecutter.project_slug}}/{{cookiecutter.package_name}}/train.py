@@ -121,7 +121,8 @@ def build_trainer(cfg: Config, world: World, backend: str, devices: list[torch.d
         torch.backends.cudnn.benchmark = False
     seed_everything(cfg.seed)  # the same data and the same initial model on every rank
     data = build_data(cfg, world, devices[0], collective_device(backend, devices[0]), share)
-    model = parallelize(build_model(cfg), cfg, devices, task, world.is_main)
+    model = parallelize(build_model(cfg), cfg, devices, task, world.is_main,
+                        world.local_world_size)
     comm_hook = register_comm_hook(model, cfg)
     steps_per_epoch = math.ceil(data.batches.batches_per_epoch() / cfg.grad_accum)
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs

@@ -1,0 +1,142 @@
+"""HSDP: fsdp sharded within groups of ranks and replicated across them (--shard-group-size), on
+4 gloo processes as 2 x 2: it trains as fsdp and DDP do, each rank holds half of each parameter,
+a killed run resumes bit for bit, and its checkpoints load onto other meshes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import (
+    TRAIN,
+    assert_same_model,
+    child_env,
+    final_model,
+    needs_numpy,
+    ok,
+    read_metrics,
+    run_cmd,
+    summary,
+    torchrun,
+    torchrun_cmd,
+)
+
+from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
+from {{ cookiecutter.package_name }}.failures import SetupError
+from {{ cookiecutter.package_name }}.parallel import shard_group_size
+
+# 8 steps an epoch at 4 ranks, 16 in all, a checkpoint every 4.
+FLAGS = ["--dataset-size", "512", "--batch-size", "16", "--hidden-size", "16", "--epochs", "2",
+         "--log-every", "4", "--save-every-steps", "4", "--keep-last", "0"]
+HSDP = [*FLAGS, "--model-layout", "fsdp", "--shard-group-size", "2"]
+
+
+def test_the_default_shard_group_is_one_node():
+    assert shard_group_size(0, 16, 8) == 8  # two nodes of 8: HSDP, 2 x 8
+    assert shard_group_size(0, 8, 8) == 8  # one node: plain fsdp
+    assert shard_group_size(0, 4, 0) == 4  # no launcher told: plain fsdp
+    assert shard_group_size(2, 4, 4) == 2
+    with pytest.raises(SetupError, match="--shard-group-size 3 must divide the 4 ranks"):
+        shard_group_size(3, 4, 4)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """An HSDP run (2 x 2) that was never interrupted."""
+    folder = tmp_path_factory.mktemp("hsdp")
+    result = ok(torchrun([*HSDP, "--checkpoint-dir", "a", "--output-dir", "runs/a"], folder,
+                         nproc=4))
+    assert "fsdp: 2 replica group(s) of 2 rank(s) (HSDP)" in result.stdout
+    return folder
+
+
+@pytest.mark.full
+@needs_numpy
+def test_hsdp_trains_as_fsdp_and_data_parallel_do(uninterrupted, example_task):
+    """Same data, seed and global batch: only the order of the reductions differs."""
+    curves = {"hsdp": read_metrics(uninterrupted / "runs/a")}
+    for layout in ("fsdp", "data_parallel"):
+        ok(torchrun([*FLAGS, "--model-layout", layout, "--output-dir", f"runs/{layout}",
+                     "--checkpoint-dir", layout], uninterrupted, nproc=4))
+        curves[layout] = read_metrics(uninterrupted / f"runs/{layout}")
+    for layout in ("fsdp", "data_parallel"):
+        assert [r["step"] for r in curves[layout]] == [r["step"] for r in curves["hsdp"]]
+        for mine, theirs in zip(curves["hsdp"], curves[layout], strict=True):
+            assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-4), (layout, mine)
+
+
+SHARDS = """
+import json, sys
+import torch
+import torch.distributed as dist
+from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.config import parse_args
+from {{ cookiecutter.package_name }}.parallel import parallelize
+from {{ cookiecutter.package_name }}.workarounds import exit_process
+
+dist.init_process_group("gloo")
+cfg = parse_args(["--hidden-size", "16", "--model-layout", "fsdp", "--shard-group-size", "2"])
+model = parallelize(task.build_model(cfg), cfg, [torch.device("cpu")], task, False)
+shards = {name: [list(p.shape), list(p.to_local().shape), list(p.device_mesh.shape)]
+          for name, p in model.named_parameters()}
+print(f"rank {dist.get_rank()} " + json.dumps(shards), flush=True)
+dist.destroy_process_group()
+exit_process(0)  # not the interpreter's own exit, which can abort (see workarounds.py)
+"""
+
+
+@pytest.mark.full
+@needs_numpy
+def test_each_rank_holds_half_of_each_parameter(workdir):
+    script = workdir / "shards.py"
+    script.write_text(SHARDS)
+    out = ok(run_cmd([*torchrun_cmd(4), str(script)], workdir)).stdout
+    lines = [line for line in out.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 4
+    for line in lines:
+        for name, (full, local, mesh) in json.loads(line.split(" ", 2)[2]).items():
+            assert mesh == [2, 2], name  # 2 replica groups x 2 shards
+            # FSDP2 cuts dim 0 in equal chunks; the last rank's may be short (or empty).
+            assert local[0] <= math.ceil(full[0] / 2) and local[1:] == full[1:], name
+        assert sum(math.prod(s[1]) for s in json.loads(line.split(" ", 2)[2]).values()) > 0
+
+
+@pytest.mark.full
+@needs_numpy
+def test_a_killed_hsdp_run_resumes_bit_for_bit(uninterrupted, example_task):
+    workdir = uninterrupted
+    job = subprocess.Popen([*torchrun_cmd(4), TRAIN, "--no-progress", *HSDP,
+                            "--checkpoint-dir", "b", "--output-dir", "runs/b",
+                            "--epochs", "4"], cwd=workdir, env=child_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not [p for p in list_checkpoints(workdir / "b") if read_meta(p)["step"] >= 8]:
+        assert job.poll() is None, job.communicate()[1]
+        time.sleep(0.01)
+    workers = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()
+    os.kill(int(workers[3]), signal.SIGKILL)
+    job.communicate(timeout=120)
+    assert max(read_meta(p)["step"] for p in list_checkpoints(workdir / "b")) < 32, "too late"
+    ok(torchrun([*HSDP, "--checkpoint-dir", "b", "--output-dir", "runs/b", "--epochs", "4"],
+                workdir, nproc=4))
+    ok(torchrun([*HSDP, "--checkpoint-dir", "a", "--output-dir", "runs/a", "--epochs", "4"],
+                workdir, nproc=4))  # the uninterrupted run goes on to the same length
+    assert_same_model(final_model(workdir / "a"), final_model(workdir / "b"))
+
+
+@pytest.mark.full
+@needs_numpy
+@pytest.mark.parametrize("nproc, shard", [(4, "4"), (2, "1")], ids=["as-1x4", "as-2x1"])
+def test_an_hsdp_checkpoint_resumes_on_another_mesh(uninterrupted, tmp_path, nproc, shard):
+    middle = uninterrupted / "a" / "ckpt_step00000008"
+    shutil.copytree(middle, tmp_path / "c" / middle.name)
+    args = [*FLAGS, "--model-layout", "fsdp", "--shard-group-size", shard, "--checkpoint-dir", "c"]
+    result = ok(torchrun(args, tmp_path, nproc=nproc))
+    assert f"resumed from c/{middle.name}" in result.stdout
+    assert summary(tmp_path / "runs/latest")["steps"] > 8
