@@ -95,6 +95,8 @@ CASES = {
                                   2, prepare="afile"),
     "output-dir-a-file": Case(["--output-dir", "afile"], "--output-dir afile is a file", 2,
                               prepare="afile"),
+    "checkpoint-dir-a-url": Case(["--checkpoint-dir", "s3://bucket/run"], "--checkpoint-dir "
+                                 "s3://...: URLs are not supported yet", 2),
     "config-missing": Case(["--config", "none.toml"], "--config none.toml: no such file", 2),
     "config-unknown-key": Case(["--config", "bad.toml"], "unknown key 'learning-rate'", 2,
                                prepare="bad.toml"),

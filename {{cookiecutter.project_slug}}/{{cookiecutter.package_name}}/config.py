@@ -549,6 +549,11 @@ def _config_path(argv: list[str] | None) -> str | None:
 def problems(cfg: Config) -> list[str]:
     """Combinations of values that cannot work, found before any work starts."""
     found = []
+    for flag, value in (("--checkpoint-dir", cfg.checkpoint_dir), ("--resume", cfg.resume),
+                        ("--output-dir", cfg.output_dir)):
+        if "://" in value:  # as a path it would be a local folder named like the bucket: lost
+            return [f"{flag} {value.split('://')[0]}://...: URLs are not supported yet; give a "
+                    "local or shared-file-system path"]
     if cfg.data is not None and not Path(cfg.data).exists():
         found.append(f"--data {cfg.data}: no such file or folder")
     for flag, value in (("--checkpoint-dir", cfg.checkpoint_dir), ("--output-dir", cfg.output_dir)):
