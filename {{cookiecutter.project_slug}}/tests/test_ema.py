@@ -72,7 +72,8 @@ def test_the_average_follows_its_formula_after_every_step(workdir):
 @pytest.mark.parametrize("layout", [
     "data_parallel",
     pytest.param("model_parallel_2", marks=pytest.mark.skipif(
-        not hasattr(task, "blocks"), reason="task.py has no blocks(model) to split at")),
+        not hasattr(task, "blocks"), reason="model_parallel_2 splits the model at "
+        "task.blocks(model), which task.py does not define")),
     pytest.param("fsdp", marks=needs_numpy)])
 def test_a_killed_run_resumes_its_average_bit_for_bit(workdir, layout):
     flags = [*LONG, *LAYOUTS[layout]]

@@ -23,6 +23,7 @@ from conftest import (
     ok,
     read_metrics,
     run_cmd,
+    skip_unless_example_task,
     summary,
     torchrun,
     torchrun_cmd,
@@ -50,6 +51,7 @@ def test_the_default_shard_group_is_one_node():
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     """An HSDP run (2 x 2) that was never interrupted."""
+    skip_unless_example_task()
     folder = tmp_path_factory.mktemp("hsdp")
     result = ok(torchrun([*HSDP, "--checkpoint-dir", "a", "--output-dir", "runs/a"], folder,
                          nproc=4))
