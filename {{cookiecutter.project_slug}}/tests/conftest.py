@@ -7,8 +7,10 @@ import functools
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -151,6 +153,22 @@ def final_model(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
         export(newest, checkpoint_dir.parent / "exported.pt")
         newest = checkpoint_dir.parent / "exported.pt"
     return load_checkpoint(newest)["model"]
+
+
+def kill_a_worker_once_saved(cmd: list[str], cwd: Path, checkpoint_dir: Path, step: int,
+                             worker: int = 1) -> None:
+    """Start `cmd` (torchrun), SIGKILL its `worker`-th training process once a checkpoint of
+    `step` or later is in `checkpoint_dir`, and wait for the job to end."""
+    from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
+
+    job = subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    while not [p for p in list_checkpoints(checkpoint_dir) if read_meta(p)["step"] >= step]:
+        assert job.poll() is None, job.communicate()[1]
+        time.sleep(0.01)
+    workers = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()
+    os.kill(int(workers[worker]), signal.SIGKILL)
+    job.communicate(timeout=120)
 
 
 def assert_same_model(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:

@@ -3,11 +3,7 @@ is what evaluation reports and what the export holds."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +11,7 @@ import torch
 from conftest import (
     PROJECT_ROOT,
     TRAIN,
-    child_env,
+    kill_a_worker_once_saved,
     load_state,
     needs_numpy,
     ok,
@@ -78,15 +74,8 @@ def test_the_average_follows_its_formula_after_every_step(workdir):
 def test_a_killed_run_resumes_its_average_bit_for_bit(workdir, layout):
     flags = [*LONG, *LAYOUTS[layout]]
     ok(torchrun([*flags, "--checkpoint-dir", "a"], workdir))  # never interrupted
-    job = subprocess.Popen([*torchrun_cmd(2), TRAIN, "--no-progress", *flags,
-                            "--checkpoint-dir", "b"], cwd=workdir, env=child_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while not [p for p in list_checkpoints(workdir / "b") if read_meta(p)["step"] >= 20]:
-        assert job.poll() is None, job.communicate()[1]
-        time.sleep(0.01)
-    workers = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()
-    os.kill(int(workers[1]), signal.SIGKILL)
-    job.communicate(timeout=120)
+    kill_a_worker_once_saved([*torchrun_cmd(2), TRAIN, "--no-progress", *flags,
+                              "--checkpoint-dir", "b"], workdir, workdir / "b", 20)
     assert max(read_meta(p)["step"] for p in list_checkpoints(workdir / "b")) < 64, "too late"
     result = ok(torchrun([*flags, "--checkpoint-dir", "b"], workdir))
     assert "resumed from" in result.stdout

@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from conftest import (
     TRAIN,
     assert_same_model,
-    child_env,
     final_model,
+    kill_a_worker_once_saved,
     needs_numpy,
     ok,
     read_metrics,
@@ -114,16 +110,9 @@ def test_each_rank_holds_half_of_each_parameter(workdir):
 @needs_numpy
 def test_a_killed_hsdp_run_resumes_bit_for_bit(uninterrupted, example_task):
     workdir = uninterrupted
-    job = subprocess.Popen([*torchrun_cmd(4), TRAIN, "--no-progress", *HSDP,
-                            "--checkpoint-dir", "b", "--output-dir", "runs/b",
-                            "--epochs", "4"], cwd=workdir, env=child_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while not [p for p in list_checkpoints(workdir / "b") if read_meta(p)["step"] >= 8]:
-        assert job.poll() is None, job.communicate()[1]
-        time.sleep(0.01)
-    workers = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()
-    os.kill(int(workers[3]), signal.SIGKILL)
-    job.communicate(timeout=120)
+    kill_a_worker_once_saved([*torchrun_cmd(4), TRAIN, "--no-progress", *HSDP, "--checkpoint-dir",
+                              "b", "--output-dir", "runs/b", "--epochs", "4"], workdir,
+                              workdir / "b", 8, worker=3)
     assert max(read_meta(p)["step"] for p in list_checkpoints(workdir / "b")) < 32, "too late"
     ok(torchrun([*HSDP, "--checkpoint-dir", "b", "--output-dir", "runs/b", "--epochs", "4"],
                 workdir, nproc=4))
