@@ -3,15 +3,20 @@
     python -m {{ cookiecutter.package_name }}.doctor                                   # this machine, one process
     torchrun --standalone --nproc-per-node=2 -m {{ cookiecutter.package_name }}.doctor  # the real world
     srun python -m {{ cookiecutter.package_name }}.doctor                              # under SLURM
+    python -m {{ cookiecutter.package_name }}.doctor --plan --world-size 64 --gpu-memory-gb 80   # will it fit?
 
 Each process prints what it sees (launcher, ranks, backend, devices, GPUs, rendezvous, relevant
 variables, versions) and warns about known traps, then all of them do an all_reduce, a barrier and
 a bandwidth measurement with a short timeout. Exit 0 and `OK`, or exit 1 and a `FAIL:` line that
 says what to fix. It accepts the same flags as train.py.
+
+With --plan it starts no process group: it prints what the run with these flags needs on each GPU
+at --world-size processes, per layout, and every setting that is wrong at that size (plan.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import shutil
@@ -22,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .config import build_parser, task_settings
+from .config import Parser, _float, _int, build_parser, parse_args, task_settings
 from .distributed import (
     assign_devices,
     cleanup,
@@ -35,6 +40,7 @@ from .environments import World, resolve_world
 from .failures import SetupError, is_communication_failure
 from .lifeline import Lifeline
 from .network import route_to, socket_interface_env
+from .plan import plan
 from .train import rendezvous_dir
 
 ENV_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_",
@@ -121,10 +127,45 @@ def bandwidth_gb_s(device: torch.device, megabytes: int) -> float:
     return data.numel() * 4 * (2 * (n - 1) / n if n > 1 else 1) / seconds / 1e9
 
 
+def add_plan_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("--plan: before renting machines (starts no process group)")
+    g.add_argument("--plan", action="store_true",
+                   help="print per layout the memory on each GPU of this run at --world-size "
+                        "processes, and every setting that is wrong at that size; exit 0 when "
+                        "--model-layout fits and nothing is wrong, else 1")
+    g.add_argument("--world-size", type=_int(1), default=None, metavar="N",
+                   help="--plan: the run's number of processes")
+    g.add_argument("--gpu-memory-gb", type=_float(0, False), default=80.0, metavar="GB",
+                   help="--plan: memory of each GPU (80: an 80 GB A100 or H100)")
+    g.add_argument("--nproc-per-node", type=_int(1), default=8, metavar="N",
+                   help="--plan: processes per node (fsdp's --shard-group-size 0 takes a node)")
+
+
+def plan_run(argv: list[str]) -> int:
+    """--plan: its own flags taken out, the rest parsed as train.py parses them (plan.py)."""
+    parser = Parser(add_help=False, allow_abbrev=False)
+    add_plan_flags(parser)
+    flags, rest = parser.parse_known_args(argv)
+    if flags.world_size is None:
+        parser.fail("--plan needs --world-size N, the number of processes of the run to plan")
+    return plan(parse_args(rest), flags.world_size, flags.gpu_memory_gb, flags.nproc_per_node)
+
+
 def check(argv: list[str] | None = None) -> int:
     parser = build_parser(task_settings())  # the same flags as train.py
+    parser.description = ("Preflight: what each process sees, then an all_reduce and a barrier; "
+                          "with --plan, whether the run fits at --world-size processes.")
+    parser.epilog = ("Exit codes: 0 OK; 1 a check failed (the FAIL: line says what to fix), or "
+                     "with --plan: --model-layout does not fit or a setting is wrong at "
+                     "--world-size; 2 a bad flag.")
+    add_plan_flags(parser)
     parser.set_defaults(timeout_s=30.0)  # a preflight should fail fast
     cfg = parser.parse_args(argv)
+    if cfg.plan or cfg.world_size is not None:
+        if not cfg.plan:
+            parser.fail("--world-size goes with --plan (python -m "
+                        f"{__package__}.doctor --plan --world-size N)")
+        return plan_run(sys.argv[1:] if argv is None else argv)
     seen = resolve_world(local_rank_flag=cfg.local_rank, check=False)
     tag = f"[doctor rank {seen.rank}/{seen.world_size}]"
     print(f"{tag} {versions()}", flush=True)

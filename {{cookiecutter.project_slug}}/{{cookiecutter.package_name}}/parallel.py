@@ -15,6 +15,7 @@ plain `nn.Sequential` needs nothing: its children are its blocks).
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -53,22 +54,21 @@ def _to_device_of(module: nn.Module) -> Callable:
     return hook
 
 
+def second_stage(model: nn.Module, blocks: list[nn.Module]) -> set[nn.Module]:
+    """What split_over_two puts on the second device: the second half of the blocks and every
+    module registered after the last block."""
+    order, last = list(model.modules()), set(blocks[-1].modules())
+    return {m for block in blocks[len(blocks) // 2:] for m in block.modules()} | {
+        m for m in order[order.index(blocks[-1]) + 1:] if m not in last}
+
+
 def split_over_two(model: nn.Module, blocks: list[nn.Module], devices: list[torch.device]) -> None:
     """Put the second half of the blocks, and every module registered after the last block, on
     devices[1]; the rest on devices[0]. Every module with weights of its own moves its inputs to
     its device, so activations cross over wherever the forward pass goes; the output comes back
     to devices[0], where the batch is."""
     model.to(devices[0])
-    second: set[nn.Module] = set()
-    for block in blocks[len(blocks) // 2:]:
-        second.update(block.modules())
-    after_last = False
-    last_block = set(blocks[-1].modules())
-    for module in model.modules():
-        if after_last and module not in last_block:
-            second.add(module)
-        after_last = after_last or module is blocks[-1]
-    for module in second:
+    for module in second_stage(model, blocks):
         module.to(devices[1])
     for module in model.modules():
         if any(True for _ in module.parameters(recurse=False)) or any(
@@ -132,6 +132,13 @@ def shard_group_size(asked: int, world_size: int, local_world_size: int) -> int:
                          "equal groups; give a divisor of the world size (0: one node each)",
                          everywhere=True)
     return size
+
+
+def rows_on_rank(p: torch.Tensor, shards: int) -> int:
+    """Elements of `p` on the fullest rank when FSDP2 splits dim 0 over `shards` ranks (torch.chunk:
+    ceil(rows / shards) rows, the last ranks fewer or none; each rank's storage padded to that)."""
+    rows = p.shape[0] if p.dim() else 1
+    return math.ceil(rows / shards) * (p.numel() // rows) if rows else 0
 
 
 def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,

@@ -1,0 +1,127 @@
+"""doctor --plan: its memory figures are what a real run holds, a plan for 64 processes runs on this
+CPU, and a setting that is wrong only at 64 processes is named."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import PROJECT_ROOT, needs_numpy, ok, run_cmd, torchrun_cmd
+from torch import nn
+
+from {{ cookiecutter.package_name }}.config import parse_args
+from {{ cookiecutter.package_name }}.doctor import main as doctor
+from {{ cookiecutter.package_name }}.plan import EXACT, saved_bytes, static_memory
+from {{ cookiecutter.package_name }}.train import _size
+
+DOCTOR = [sys.executable, "-m", "{{ cookiecutter.package_name }}.doctor"]
+
+# Counts what each rank holds after its first optimizer step: its own parameters (fsdp: the local
+# shards), the gradients the step used and the optimizer's state, as numel x element size.
+COUNT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from {{ cookiecutter.package_name }}.optim import Optimization
+from {{ cookiecutter.package_name }}.train import build_trainer, main
+from {{ cookiecutter.package_name }}.workarounds import exit_process
+
+
+def nbytes(tensors):
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+class Counting(Optimization):
+    def __init__(self, model, *args, **kwargs):
+        super().__init__(model, *args, **kwargs)
+        self.model = model
+
+    def step(self):
+        grads = nbytes(p.grad for p in self.params if p.grad is not None)
+        taken = super().step()
+        state = nbytes(t for s in self.optimizer.state.values() for t in s.values()
+                       if torch.is_tensor(t))
+        with open(f"count{dist.get_rank()}.json", "w") as f:
+            json.dump({"parameters": nbytes(self.model.parameters()), "gradients": grads,
+                       "optimizer state": state}, f)
+        return taken
+
+
+def counted(cfg, world, backend, devices, lifeline):  # train.train_on, with Counting
+    trainer = build_trainer(cfg, world, backend, devices, lifeline, optimization=Counting)
+    trainer.resume()
+    return trainer.train()
+
+
+exit_process(main(sys.argv[1:], train_fn=counted))
+"""
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("layout", ["data_parallel", pytest.param("fsdp", marks=needs_numpy)])
+def test_the_plans_figures_are_what_a_two_process_run_holds(workdir, layout):
+    # An odd width: fsdp splits 15 rows 8 + 7, and the plan gives the fullest rank.
+    flags = ["--dataset-size", "256", "--hidden-size", "15", "--batch-size", "8",
+             "--model-layout", layout, "--max-steps", "1", "--val-fraction", "0"]
+    if hasattr(parse_args([]).task, "num_heads"):  # the language model: heads split the width
+        flags += ["--num-heads", "5"]
+    (workdir / "count.py").write_text(COUNT)
+    ok(run_cmd([*torchrun_cmd(2), str(workdir / "count.py"), "--no-progress", *flags], workdir))
+    ranks = [json.loads((workdir / f"count{rank}.json").read_text()) for rank in (0, 1)]
+    planned = static_memory(parse_args(flags), layout, 2)[0][0]
+    assert {part: max(r[part] for r in ranks) for part in EXACT} == {
+        part: planned[part] for part in EXACT}
+    assert (ranks[0] != ranks[1]) == (layout == "fsdp"), ranks
+
+
+def test_a_plan_for_64_processes_runs_on_this_cpu(workdir):
+    result = ok(run_cmd([*DOCTOR, "--plan", "--world-size", "64", "--gpu-memory-gb", "80"],
+                        PROJECT_ROOT, timeout=300))
+    assert "plan: 64 processes, 80 GB per GPU" in result.stdout
+    whole = static_memory(parse_args([]), "data_parallel", 64)[0][0]
+    # fsdp on 8 nodes of 8: --shard-group-size 0 shards over a node (HSDP); 64 over every rank.
+    hsdp = static_memory(parse_args([]), "fsdp", 64, 8)[0][0]
+    fsdp = static_memory(parse_args(["--shard-group-size", "64"]), "fsdp", 64, 8)[0][0]
+    assert fsdp["parameters"] < hsdp["parameters"] / 4 < whole["parameters"] / 4 / 4
+    rows = {line.split("  ")[0]: line for line in result.stdout.splitlines()}
+    for part in EXACT:
+        assert f"{_size(whole[part]):>18}{_size(hsdp[part]):>18}" in rows[part]
+    assert "settings at 64 processes:" in result.stdout
+    assert "OK: --model-layout" in result.stdout
+
+
+def test_a_setting_wrong_only_at_64_processes_is_named(workdir, capsys):
+    # 1024 samples in batches of 32: 16 steps an epoch at 2 processes, 1 at 64 (and 3 in the run,
+    # shorter than the warm-up).
+    flags = ["--plan", "--dataset-size", "1024", "--batch-size", "32", "--warmup-steps", "20",
+             "--hidden-size", "8"]
+    assert doctor([*flags, "--world-size", "2"]) == 0
+    assert "warning:" not in capsys.readouterr().out
+    assert doctor([*flags, "--world-size", "64"]) == 1
+    out = " ".join(capsys.readouterr().out.split())  # lines wrapped for the terminal, joined
+    assert "warning: a global batch of 2,048 samples (--batch-size 32 x 64 processes x " \
+           "--grad-accum 1) is more than the 1,024 training samples" in out
+    assert "warning: --warmup-steps 20 is longer than the run (3 steps): the learning rate " \
+           "never reaches --lr" in out
+    assert "FAIL: 2 problem(s) at 64 processes" in out
+    assert not torch.distributed.is_initialized()  # no process group, of 64 or any other size
+
+
+def test_a_run_that_does_not_fit_fails_the_plan(workdir, capsys):
+    assert doctor(["--plan", "--world-size", "2", "--gpu-memory-gb", "2", "--hidden-size", "8"]) \
+        == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "does not fit in 2 GB per GPU" in out
+
+
+def test_activations_are_the_tensors_autograd_keeps():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    # The first Linear keeps its input, ReLU its output, the second Linear that same output (one
+    # storage, counted once); the weights are parameters, counted elsewhere.
+    assert saved_bytes(model, lambda: model(x).sum(), set()) == [5 * 8 * 4 + 5 * 16 * 4, 0]
+    second = set(model[1:].modules())
+    assert saved_bytes(model, lambda: model(x).sum(), second) == [5 * 8 * 4, 5 * 16 * 4]

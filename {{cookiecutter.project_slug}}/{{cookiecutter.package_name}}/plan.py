@@ -1,0 +1,299 @@
+"""doctor --plan: does this run fit, and do its settings hold, at --world-size processes? On the
+CPU, with no process group. Parameters, gradients and optimizer state are exact (model and optimizer
+on the meta device); activations are an estimate (a real forward here, at two small batches)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import task
+from .config import Config
+from .data import BatchFetcher, ShardedBatchSampler
+from .failures import SetupError
+from .optim import AMP_DTYPES
+from .parallel import model_blocks, rows_on_rank, second_stage, shard_group_size
+from .train import _size
+
+RESERVE_GB = 2.0  # per GPU: the CUDA context, NCCL's buffers, the caching allocator's slack
+LAYOUTS = ("data_parallel", "fsdp", "model_parallel_2")
+EXACT = ("parameters", "gradients", "optimizer state")
+ROWS = (*EXACT, "EMA weights", "DDP gradient copies", "buffers", "activations (estimate)",
+        "fsdp gathered")
+
+
+def optimizer_state(model: nn.Module, cfg: Config) -> tuple[str, dict[int, list] | None]:
+    """(name, parameter id -> its state tensors) of the run's optimizer stepped on the meta device
+    (None: it cannot step there)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    configure, name = getattr(task, "configure_optimizer", None), "task.configure_optimizer's"
+    try:  # optim.Optimization's AdamW (fused on CUDA: the same state, `step` on the GPU)
+        made = configure(model, cfg) if configure else torch.optim.AdamW(
+            trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        optimizer = made[0] if isinstance(made, tuple) else made
+        name = type(optimizer).__name__
+        for p in trainable:
+            p.grad = torch.empty_like(p)
+        optimizer.step()
+    except Exception:
+        return name, None
+    return name, {id(p): [t for t in optimizer.state[p].values() if torch.is_tensor(t)]
+                  for p in trainable if p in optimizer.state}
+
+
+def static_memory(cfg: Config, layout: str, world: int,
+                  per_node: int = 0) -> tuple[list[dict[str, Any]], str]:
+    """(bytes on each GPU of one process, model_parallel_2 two; the optimizer's name) for `layout`
+    at `world` processes, `per_node` a node. SetupError where the layout cannot take the model."""
+    cfg = dataclasses.replace(cfg, model_layout=layout)
+    with torch.device("meta"):
+        model = task.build_model(cfg)
+    blocks = model_blocks(model, task) or []
+    # fsdp shards over groups of --shard-group-size ranks (HSDP; 0: a node when there are several)
+    shards = shard_group_size(cfg.shard_group_size, world, per_node) if layout == "fsdp" else 1
+    if layout == "model_parallel_2" and len(blocks) < 2:  # parallel.parallelize's refusal
+        raise SetupError(f"model_parallel_2 needs to know where to split {type(model).__name__}: "
+                         "define blocks(model) in task.py")
+    second = second_stage(model, blocks) if layout == "model_parallel_2" else set()
+    owner = {id(t): int(m in second) for m in model.modules()
+             for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+    name, state = optimizer_state(model, cfg)
+    out = [dict.fromkeys(ROWS[:-2], 0) for _ in range(2 if second else 1)]
+    # DDP's buckets hold a second copy of the gradients unless they are its views, and PowerSGD's
+    # error feedback one more (comm_hooks.py).
+    copies = (not cfg.gradient_as_bucket_view) + (cfg.comm_hook == "powersgd") if shards == 1 else 0
+    for p in model.parameters():  # each shared parameter once
+        gpu, local = out[owner[id(p)]], rows_on_rank(p, shards)
+        gpu["parameters"] += local * p.element_size()  # fp32 master weights in every precision
+        gpu["gradients"] += local * p.element_size() if p.requires_grad else 0
+        gpu["DDP gradient copies"] += copies * local * p.element_size() if p.requires_grad else 0
+        # State of the parameter's shape is sharded with it (fsdp: zeros_like of the shard);
+        # other state (AdamW's `step`, a factored optimizer's) is counted whole: at most.
+        gpu["optimizer state"] += sum((local if t.shape == p.shape else t.numel())
+                                      * t.element_size() for t in (state or {}).get(id(p), []))
+        gpu["EMA weights"] += local * 4 if cfg.ema_decay else 0  # ema.py: an fp32 copy
+    for b in model.buffers():  # not sharded
+        out[owner[id(b)]]["buffers"] += b.numel() * b.element_size()
+    for gpu in out if state is None else []:
+        gpu["optimizer state"] = None
+    if layout == "fsdp":
+        units = [sum(p.numel() for p in block.parameters()) for block in blocks]
+        root = sum(p.numel() for p in model.parameters()) - sum(units)
+        compute = 2 if cfg.precision != "fp32" else 4  # MixedPrecisionPolicy's param_dtype
+        # The root unit stays gathered for the step, blocks two at a time (one prefetched), and
+        # one unit's gradients wait for their reduce-scatter; with --grad-accum above 1 every
+        # gradient stays unsharded, in fp32, until the group's last micro-batch.
+        out[0]["fsdp gathered"] = compute * (root + 2 * max(units, default=0) + max(
+            [root, *units])) + (4 * (root + sum(units)) if cfg.grad_accum > 1 else 0)
+    return out, name
+
+
+def saved_bytes(model: nn.Module, forward: Callable[[], Any], second: set[nn.Module]) -> list[int]:
+    """Bytes autograd keeps for the backward pass of `forward()` (each storage once, parameters
+    left out) on [the first, the second] stage of model_parallel_2 (the innermost module's)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, tuple[int, int, torch.Tensor]] = {}  # each held: no address is reused
+    stack = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept.setdefault(storage.data_ptr(), (storage.nbytes(), stack[-1], t))
+        return t
+
+    def leave(*_: Any) -> None:
+        stack.pop()
+
+    hooks = [h for m in model.modules() for h in (
+        m.register_forward_pre_hook(lambda module, args: stack.append(int(module in second))),
+        m.register_forward_hook(leave))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            forward()
+        return [sum(n for n, part, _ in kept.values() if part == i) for i in (0, 1)]
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def activations(cfg: Config, train_set: Any, param_bytes: int) -> tuple[list[int] | None, str]:
+    """([first stage, second stage] bytes at --batch-size, how they were found)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    if train_set is None or (ram and 4 * param_bytes > ram // 2):
+        return None, f"not measured: {'no data' if train_set is None else 'too large for this RAM'}"
+    model = task.build_model(dataclasses.replace(cfg, model_layout="data_parallel"))
+    blocks = model_blocks(model, task) or []
+    second = second_stage(model, blocks) if len(blocks) > 1 else set()
+    fetch = BatchFetcher(train_set, getattr(task, "collate", None))
+    dtype = AMP_DTYPES[cfg.precision]
+
+    def at(batch: int) -> list[int]:  # CPU autocast in place of the run's on the GPU
+        data = fetch.__getitems__((0, torch.arange(batch) % len(train_set)))
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            return saved_bytes(model, lambda: task.loss_fn(model, data), second)
+
+    try:
+        try:
+            a, low = 1, at(1)
+        except (RuntimeError, ValueError):  # e.g. BatchNorm1d needs 2 samples
+            a, low = 2, at(2)
+        high = at(2 * a)
+    except Exception as exc:
+        return None, f"not measured (task.loss_fn on this CPU: {type(exc).__name__}: {exc})"
+    # Linear in the batch; a part that is not (autocast's copies of the weights) stays fixed.
+    return [round(max(0, 2 * lo - hi) + (hi - lo) / a * cfg.batch_size)
+            for lo, hi in zip(low, high, strict=True)], (
+        f"what autograd kept for the backward pass in a real forward on this CPU ({cfg.precision}"
+        f"{' autocast' if dtype else ''}) at batch {a} and {2 * a}, fitted as a + b x batch, "
+        f"taken at --batch-size {cfg.batch_size}")
+
+
+def training_data(cfg: Config) -> tuple[int | None, str, Any]:
+    """(training samples or None, where that number comes from, a data set to measure with)."""
+    try:
+        if cfg.data is None and hasattr(cfg.task, "dataset_size"):
+            # Synthetic: --dataset-size samples; a small copy is enough to measure with.
+            small = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, dataset_size=4))
+            return cfg.task.dataset_size, "--dataset-size", task.build_datasets(small)[0]
+        train_set = task.build_datasets(cfg)[0]  # as the run does at its start
+        return len(train_set), f"--data {cfg.data}" if cfg.data else "build_datasets", train_set
+    except Exception as exc:
+        return None, f"data: not checked (task.build_datasets: {type(exc).__name__}: {exc})", None
+
+
+def settings(cfg: Config, world: int, samples: int | None, source: str, model: nn.Module,
+             shards: int) -> tuple[list[str], list[str]]:
+    """(notes, problems) of the settings at `world` processes, worded as the run words them."""
+    notes, problems, ran = [source], [], None
+    if samples is not None:
+        sampler = ShardedBatchSampler(samples, 0, world, cfg.batch_size, cfg.seed)
+        per_epoch = math.ceil(sampler.batches_per_epoch() / cfg.grad_accum)  # as build_trainer
+        total = cfg.max_steps or per_epoch * cfg.epochs
+        ran, batch = min(total, per_epoch * cfg.epochs), cfg.batch_size * world * cfg.grad_accum
+        notes = [f"data: {samples:,} training samples ({source}); global batch {cfg.batch_size} x "
+                 f"{world} x {cfg.grad_accum} = {batch:,}; {per_epoch:,} optimizer step(s) per "
+                 f"epoch, {ran:,} in the run"]
+        if hasattr(task, "tokens_per_sample"):
+            notes.append(f"tokens per optimizer step: {batch * task.tokens_per_sample(cfg):,}")
+        if batch > samples:
+            extra = sampler.shard_size * world - samples  # the sampler's padding
+            repeats = f" (the shards repeat {extra} samples)" if extra else ""
+            problems.append(f"a global batch of {batch:,} samples (--batch-size {cfg.batch_size} x "
+                            f"{world} processes x --grad-accum {cfg.grad_accum}) is more than the "
+                            f"{samples:,} training samples: each process gets {sampler.shard_size} "
+                            f"sample(s) an epoch{repeats}; lower --batch-size or use more data")
+        if cfg.warmup_steps > total:  # trainer.py's warning, word for word
+            problems.append(f"--warmup-steps {cfg.warmup_steps} is longer than the run ({total} "
+                            "steps): the learning rate never reaches --lr")
+        if cfg.max_steps > per_epoch * cfg.epochs:
+            problems.append(f"--max-steps {cfg.max_steps} is more than --epochs {cfg.epochs} give "
+                            f"at {world} processes ({per_epoch} step(s) each): the run stops at "
+                            f"step {ran}, before its schedule ends")
+    if cfg.comm_hook == "powersgd" and cfg.model_layout != "fsdp":
+        # comm_hooks.PowerSGD's rule: a gradient seen as (rows, rest) is compressed when that
+        # shrinks it more than PowerSGDState's min_compression_rate (2).
+        shapes = [(p.shape[0], p.numel() // p.shape[0]) if p.dim() else (1, 1)
+                  for p in model.parameters() if p.requires_grad]
+        whole = sum(n * m <= (n + m) * min(n, m, cfg.powersgd_rank) * 2 for n, m in shapes)
+        notes.append(f"--powersgd-rank {cfg.powersgd_rank}: {len(shapes) - whole} of "
+                     f"{len(shapes)} gradients compressed, {whole} sent whole (vectors, or "
+                     "(rows + cols) x rank x 2 >= rows x cols)")
+        if whole == len(shapes):
+            problems.append(f"--powersgd-rank {cfg.powersgd_rank}: PowerSGD compresses none of "
+                            f"the {whole} gradients; drop --comm-hook powersgd")
+        if ran is not None and max(2, cfg.powersgd_warmup_steps) >= ran:
+            problems.append(f"--powersgd-warmup-steps {cfg.powersgd_warmup_steps} is not shorter "
+                            f"than the run ({ran} steps): PowerSGD never compresses")
+    params = list(model.parameters())
+    waste = sum((rows_on_rank(p, shards) * shards - p.numel()) * p.element_size() for p in params)
+    rows = [p.shape[0] if p.dim() else 1 for p in params]
+    # torch.chunk gives fewer pieces than ranks where ceil(n / ceil(n / shards)) < shards.
+    empty = sum(n > 0 and math.ceil(n / math.ceil(n / shards)) < shards for n in rows)
+    notes += [f"fsdp: padding each parameter to ceil(rows / {shards}) rows costs {_size(waste)} "
+              f"per {shards} ranks, in parameters and as much in gradients; {empty} of "
+              f"{len(rows)} parameters leave some ranks an empty shard"] if waste else []
+    return notes, problems
+
+
+def table(cfg: Config, columns: list[tuple[str, str, dict]], gpu_gb: float) -> dict[str, bool]:
+    """Print the figures of each layout's GPUs; returns whether each layout fits."""
+    def line(label: str, cells: list[str]) -> None:
+        print(f"{label:<24}" + "".join(f"{cell:>18}" for cell in cells))
+    line("on each GPU", [layout + "*" * (layout == cfg.model_layout) for layout, _, _ in columns])
+    line("", [gpu for _, gpu, _ in columns])
+    for row in ROWS:
+        if any(figures.get(row, 0) != 0 for _, _, figures in columns):
+            cells = [figures.get(row, 0) for _, _, figures in columns]
+            line(row, ["n/a" if v is None else _size(v) if v else "" for v in cells])
+    totals = [sum(v or 0 for v in figures.values()) for _, _, figures in columns]
+    line("total", [_size(total) for total in totals])
+    spare = [(gpu_gb - RESERVE_GB) * 1e9 - total for total in totals]
+    line("spare (% of the GPU)", [f"{'-' * (x < 0)}{_size(abs(x))} ({x / 1e9 / gpu_gb:.0%})"
+                                  for x in spare])
+    line("verdict", ["fits" if x >= 0 else "DOES NOT FIT" for x in spare])
+    return {layout: all(x >= 0 for (name, _, _), x in zip(columns, spare, strict=True)
+                        if name == layout) for layout in LAYOUTS}
+
+
+def plan(cfg: Config, world: int, gpu_gb: float, per_node: int) -> int:
+    """Print the plan; 0 when --model-layout fits and no setting is wrong, else 1."""
+    try:
+        with torch.device("meta"):
+            model = task.build_model(cfg)
+    except SetupError:
+        raise
+    except Exception as exc:  # e.g. weights read from a file, or a value from a tensor
+        raise SetupError(f"task.build_model cannot build the model on the meta device, which "
+                         f"the plan needs ({type(exc).__name__}: {exc})") from None
+    params = list(model.parameters())
+    samples, source, train_set = training_data(cfg)
+    acts, how = activations(cfg, train_set, sum(p.numel() * p.element_size() for p in params))
+    columns, errors, optimizer = [], {}, "AdamW"
+    for layout in LAYOUTS:
+        try:
+            gpus, optimizer = static_memory(cfg, layout, world, per_node)
+        except SetupError as exc:
+            errors[layout] = str(exc)
+            continue
+        for i, figures in enumerate(gpus):
+            figures["activations (estimate)"] = acts and (acts[i] if len(gpus) == 2 else sum(acts))
+            columns.append((layout, f"GPU {i}" if len(gpus) == 2 else "", figures))
+    print(f"plan: {world} processes, {gpu_gb:g} GB per GPU ({RESERVE_GB:g} GB of it kept for "
+          f"the CUDA context, NCCL and the allocator), --batch-size {cfg.batch_size} per process, "
+          f"--precision {cfg.precision}\nmodel {type(model).__name__}: "
+          f"{sum(p.numel() for p in params):,} parameters in {len(params)} tensors, fp32 (16-bit "
+          f"precisions compute in 16 bits from fp32 master weights); optimizer {optimizer}"
+          + (" (n/a: its state not estimated, it does not step on the meta device)" if any(
+              figures["optimizer state"] is None for _, _, figures in columns) else "") + "\n")
+    fits = table(cfg, columns, gpu_gb)
+    for layout, error in errors.items():
+        print(f"{layout}: cannot take this model: {error}")
+    shards = world if "fsdp" in errors else shard_group_size(cfg.shard_group_size, world, per_node)
+    hsdp = (f"; HSDP: {world // shards} replicas, --shard-group-size 0 takes a node of "
+            f"--nproc-per-node {per_node}" if shards < world else "")
+    print(textwrap.fill(f"* --model-layout, which the exit code follows. Exact: parameters, "
+                        "gradients, optimizer state (fsdp: the fullest rank, each parameter's dim 0"
+                        f" split into ceil(rows / {shards}) rows as FSDP2 does{hsdp}). Estimates: "
+                        f"activations ({how}); fsdp gathered (the root unit and two blocks "
+                        "unsharded, one unit's gradients; with --grad-accum above 1 all gradients)."
+                        " model_parallel_2: one process on two GPUs, split as parallel.py does.",
+                        100))
+    notes, problems = settings(cfg, world, samples, source, model, shards)
+    if cfg.model_layout in errors or not fits[cfg.model_layout]:
+        problems.insert(0, f"--model-layout {cfg.model_layout}: " + errors.get(
+            cfg.model_layout, f"does not fit in {gpu_gb:g} GB per GPU (above)"))
+    print(f"\nsettings at {world} processes:")
+    for text in [*notes, *(f"warning: {p}" for p in problems)]:
+        print(textwrap.fill(text, 100, initial_indent="  ", subsequent_indent="    "))
+    if problems:
+        print(f"FAIL: {len(problems)} problem(s) at {world} processes (the warnings above)")
+        return 1
+    print(f"OK: --model-layout {cfg.model_layout} fits and the settings hold at {world} processes")
+    return 0
