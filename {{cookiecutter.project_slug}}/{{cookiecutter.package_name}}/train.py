@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None, train_fn: TrainFn = train_on) -> int:
     """Parse the flags and train (`train_fn`: what each process runs once its group started)."""
     cfg = parse_args(argv)
     try:
-        # fault_tolerance=torchft only: a replica group's variables need train_ft.py, not train.py.
+        # Projects baked with replica groups: their variables need train_ft.py, not train.py.
         if train_fn is train_on and importlib.util.find_spec(f"{__package__}.fault_tolerance"):
             importlib.import_module(f"{__package__}.fault_tolerance").refuse_plain_run(os.environ)
         world = resolve_world(local_rank_flag=cfg.local_rank)
