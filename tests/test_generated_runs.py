@@ -162,10 +162,12 @@ def test_readme_worked_example_as_written(tmp_path, torch_venv, quickstart_done)
     commands = section.split("```bash", 1)[1].split("```", 1)[0].strip().splitlines()
     (project / "ddp_project/task.py").write_text(code)
     torch_venv.pip("-e", str(project), cwd=project)
-    check_ok(torch_venv.run(commands[0], project))  # pip install pillow
+    *setup, train = commands  # setup: `pip install pillow`, where Pillow is not a dependency
+    for command in setup:
+        check_ok(torch_venv.run(command, project))
     check_ok(torch_venv.run([torch_venv.python, "-c", WORKED_EXAMPLE_IMAGES, "data/train"],
                             project))
-    check_ok(torch_venv.run(commands[1], project))
+    check_ok(torch_venv.run(train, project))
     summary = (project / "runs/latest/summary.json").read_text()
     assert '"epochs_completed": 10' in summary and '"val_accuracy"' in summary
 

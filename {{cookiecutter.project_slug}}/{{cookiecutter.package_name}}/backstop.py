@@ -195,7 +195,10 @@ class Watchdog:
         return True
 
     def _on_signal(self, signum: int) -> None:
-        self.signals.send(bytes([signum]))  # the lifeline thread acts on it when it can run
+        try:
+            self.signals.send(bytes([signum]))  # the lifeline thread acts on it when it can run
+        except OSError:  # the training process has just ended (its end is closed): nothing to do
+            return
         if signum not in (signal.SIGTERM, signal.SIGINT):
             return
         now, name = time.monotonic(), signal.Signals(signum).name
