@@ -72,13 +72,13 @@ def expected_files(package: str, answers: dict) -> set[str]:
     }
     files |= {f"tests/{name}.py" for name in (
         "conftest", "hosts", "test_backstop", "test_checkpoint", "test_config", "test_custom_task", "test_data",
-        "test_distributed", "test_ema", "test_features", "test_hangs", "test_hsdp", "test_launchers", "test_layouts",
-        "test_mistakes", "test_nccl", "test_network", "test_plan", "test_recovery", "test_task", "test_tracker",
-        "test_train")}
+        "test_distributed", "test_docs", "test_ema", "test_features", "test_hangs", "test_hsdp", "test_launchers",
+        "test_layouts", "test_mistakes", "test_nccl", "test_network", "test_object_storage", "test_plan",
+        "test_recovery", "test_task", "test_tracker", "test_train", "s3server")}
     files |= {f"{package}/{name}.py" for name in (
         "__init__", "backstop", "checkpoint", "comm_hooks", "config", "data", "distributed", "doctor", "ema",
         "environments", "evaluation", "failures", "lifeline", "metrics", "nccl", "network", "optim", "parallel",
-        "plan", "resume", "sharded", "task", "trackers", "train", "trainer", "workarounds")}
+        "plan", "resume", "settings", "sharded", "storage", "task", "trackers", "train", "trainer", "workarounds")}
     if answers.get("slurm", True):
         files |= {"scripts/slurm/torchrun.sbatch", "scripts/slurm/srun.sbatch",
                   "tests/test_slurm.py"}

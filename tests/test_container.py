@@ -17,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import sys
 import time
 import tomllib
 import uuid
@@ -54,12 +55,12 @@ def image(tmp_path_factory, request):
     requirements = [line for line in (project / "requirements.txt").read_text().splitlines()
                     if line.strip() and not line.startswith("#")]
     build_system = tomllib.loads((project / "pyproject.toml").read_text())["build-system"]
-    index = container.package_index(folder / "index",
-                                    [*requirements, "numpy<3", *build_system["requires"]])
+    index = container.package_index(folder / "index", [*requirements, "numpy<3", "s3fs",
+                                                       *build_system["requires"]])
     tag = f"localhost/{project.name}:test-{uuid.uuid4().hex[:8]}"
     seconds = container.build(project, tag, index, BASE_IMAGE=base, TORCH_VARIANT="cpu",
                               TORCH_VERSION=metadata.version("torch").split("+")[0],
-                              TORCH_INDEX_URL="file:///index/simple")
+                              TORCH_INDEX_URL="file:///index/simple", EXTRAS="s3fs")
     size = container.image_size(tag)
     with request.config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
         print(f"\ncontainer image {tag}: {size / 1e9:.2f} GB, built in {seconds:.0f} s "
@@ -89,6 +90,33 @@ def test_image_runs_as_the_docs_show(image, tmp_path):
     assert summary["world_size"] == 1 and summary["launcher"] == "torchrun", summary
     assert newest_checkpoint_step(shared / "checkpoints") == summary["steps"]
     assert all(p.stat().st_uid == 1000 for p in (shared / "checkpoints").iterdir())
+
+
+def test_the_container_checkpoints_to_a_bucket_and_resumes_from_it(image, tmp_path):
+    """Built with --build-arg EXTRAS=s3fs, the image trains into an S3 bucket (moto's server on
+    the host's loopback, reached through the host's network) and a second container, with no
+    volume at all, resumes from the bucket."""
+    sys.path.insert(0, str(image[0] / "tests"))
+    from s3server import S3Server
+
+    project, tag = image
+    server = S3Server()
+    try:
+        env = [f"--env={key}={value}" for key, value in server.env().items()]
+        # 16 steps an epoch, 32 in all.
+        run = ["run", "--rm", *container.limits(), "--shm-size=2g", "--network=host", *env, tag,
+               "--standalone", "--nproc-per-node=1", "train.py", "--checkpoint-dir=s3://bkt/job",
+               "--output-dir=/tmp/runs", "--hidden-size=8", "--dataset-size=256",
+               "--batch-size=16", "--epochs=2", "--save-every-steps=8", "--keep-last=2"]
+        first = podman(*run, "--max-steps=8", timeout=300)
+        assert "checkpoints: s3://bkt/job" in first.stdout, first.stdout + first.stderr
+        second = podman(*run, timeout=300)
+        assert "resumed from s3://bkt/job/ckpt_step00000008.pt" in second.stdout, second.stderr
+        assert "done: 32 steps" in second.stdout, second.stdout
+        names = sorted(key.rsplit("/", 1)[-1] for key in server.fs().ls("bkt/job"))
+        assert names == ["ckpt_step00000024.pt", "ckpt_step00000032.pt"], names
+    finally:
+        server.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -80,6 +80,13 @@ def test_minimal_install_names_numpy_for_fsdp(default_project, torch_venv):
            "numpy: pip install numpy" in line
 
 
+def test_minimal_install_names_s3fs_for_a_bucket(default_project, torch_venv):
+    line = one_error(torch_venv.run(f"python train.py {SMALL} --checkpoint-dir s3://bkt/run",
+                                    default_project))
+    assert "--checkpoint-dir s3://bkt/run: s3:// needs s3fs: pip install s3fs (the project's " \
+           'extra: pip install -e ".[s3]")' in line
+
+
 def quickstart(readme: str) -> list[str]:
     block = readme.split("## Quickstart", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     return [line.split("#")[0].strip() for line in block.strip().splitlines()]

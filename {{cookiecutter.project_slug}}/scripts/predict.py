@@ -1,6 +1,7 @@
 """Predict with a trained model: python scripts/predict.py [--raw-weights] CHECKPOINT INPUT [...]
 
-CHECKPOINT: a checkpoint file or folder, or an export (`python -m
+CHECKPOINT: a checkpoint file or folder (a path, or a URL such as s3://bucket/run/ckpt_step...),
+or an export (`python -m
 {{ cookiecutter.package_name }}.checkpoint export`). The model is built by task.py with the settings
 saved in it, and its weights load with weights_only=True (tensors, never code): the EMA's if the
 run kept one (--ema-decay), the model's own with --raw-weights. task.predict turns
@@ -16,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project, installed or not
 
-from {{ cookiecutter.package_name }} import task  # noqa: E402
+from {{ cookiecutter.package_name }} import storage, task  # noqa: E402
 from {{ cookiecutter.package_name }}.checkpoint import model_and_meta  # noqa: E402
 from {{ cookiecutter.package_name }}.config import Config  # noqa: E402
 from {{ cookiecutter.package_name }}.failures import SetupError  # noqa: E402
@@ -32,7 +33,7 @@ def main(argv: list[str]) -> int:
         if not hasattr(task, "predict"):
             raise SetupError("task.py has no predict(model, inputs, cfg); add one (see the "
                              "example tasks)")
-        state, meta = model_and_meta(Path(argv[0]), raw_weights)
+        state, meta = model_and_meta(storage.given(argv[0]), raw_weights)
         cfg = Config.from_dict(meta.get("config", {}))
         model = task.build_model(cfg)
         try:

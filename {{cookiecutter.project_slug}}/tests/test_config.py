@@ -33,6 +33,16 @@ def test_help_documents_every_flag():
     assert [flag for flag in [*DOCUMENTED_FLAGS, *own] if flag not in text] == []
 
 
+def test_help_gives_each_default_once_and_none_for_lists():
+    parser = build_parser(task_settings())
+    formatter = parser.formatter_class(prog="train.py")
+    for action in parser._actions:  # argparse keeps them only here
+        assert (formatter._get_help_string(action) or "").count("(default:") <= 1, action.dest
+    text = " ".join(parser.format_help().split())
+    assert "(default: DDP's 25, with a first bucket of 1) --" in text  # its own words, once
+    assert "(default: [])" not in text  # --stage-devices
+
+
 def test_both_local_rank_spellings():
     assert parse_args(["--local-rank=1"]).local_rank == 1
     assert parse_args(["--local_rank", "2"]).local_rank == 2

@@ -95,8 +95,11 @@ CASES = {
                                   2, prepare="afile"),
     "output-dir-a-file": Case(["--output-dir", "afile"], "--output-dir afile is a file", 2,
                               prepare="afile"),
-    "checkpoint-dir-a-url": Case(["--checkpoint-dir", "s3://bucket/run"], "--checkpoint-dir "
-                                 "s3://...: URLs are not supported yet", 2),
+    "checkpoint-dir-a-url-with-a-key": Case(["--checkpoint-dir", "s3://AKIA:secret@bkt/run"],
+                                            "--checkpoint-dir s3://bkt/run: credentials do not "
+                                            "go in the URL", 2),
+    "output-dir-a-url": Case(["--output-dir", "s3://bkt/run"], "--output-dir s3://...: metrics "
+                             "are written to a local folder", 2),
     "config-missing": Case(["--config", "none.toml"], "--config none.toml: no such file", 2),
     "config-unknown-key": Case(["--config", "bad.toml"], "unknown key 'learning-rate'", 2,
                                prepare="bad.toml"),

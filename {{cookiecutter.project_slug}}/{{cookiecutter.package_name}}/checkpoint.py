@@ -8,6 +8,7 @@ Two formats, one naming scheme (the step is in the name, so the newest is the hi
 Both are written under a temporary name and renamed when complete, so a kill at any moment leaves
 either the old set or the new one. The folder is locked by the run writing into it; checkpoints of
 an earlier run are moved aside, never deleted; `--keep-last` only prunes this run's own.
+The folder may be a URL (s3://bucket/prefix): storage.py says how a checkpoint there is complete.
 
     python -m {{ cookiecutter.package_name }}.checkpoint export SRC OUT.pt   # one weights_only file
 """
@@ -20,6 +21,7 @@ import re
 import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 import zipfile
@@ -29,55 +31,62 @@ from typing import Any
 
 import torch
 
+from . import storage
 from .ema import model_state
 from .failures import SetupError
+from .storage import AnyPath, RemotePath
 
 _NAME = re.compile(r"^ckpt_step(\d{8,})(\.pt)?$")
 _TEMP = re.compile(r"^\.ckpt_step\d+.*\.tmp")
 META = "meta.json"  # in a checkpoint folder: everything but the tensors
 
 
-def checkpoint_path(directory: str | Path, step: int, sharded: bool = False) -> Path:
-    return Path(directory) / f"ckpt_step{step:08d}{'' if sharded else '.pt'}"
+STALE_S = 3600  # an unfinished save in object storage older than this is removed
 
 
-def step_of(path: Path) -> int:
+def checkpoint_path(directory: str | AnyPath, step: int, sharded: bool = False) -> AnyPath:
+    return storage.location(directory) / f"ckpt_step{step:08d}{'' if sharded else '.pt'}"
+
+
+def step_of(path: AnyPath) -> int:
     match = _NAME.match(path.name)
     if not match:
         raise ValueError(f"{path} is not named like a checkpoint (ckpt_stepNNNNNNNN)")
     return int(match.group(1))
 
 
-def list_checkpoints(directory: str | Path) -> list[Path]:
+def list_checkpoints(directory: str | AnyPath) -> list[AnyPath]:
     """Checkpoints (files and folders) in `directory`, newest (highest step) first."""
-    directory = Path(directory)
+    directory = storage.location(directory)
     if not directory.is_dir():
         return []
     found = [(step_of(p), p) for p in directory.iterdir() if _NAME.match(p.name)]
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def is_complete(path: Path) -> bool:
+def is_complete(path: AnyPath) -> bool:
     """A file is complete once it has its name; a folder also needs DCP's metadata and ours."""
     if path.is_dir():
         return (path / ".metadata").is_file() and (path / META).is_file()
     return path.is_file() and path.stat().st_size > 0
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_checkpoint(path: str | AnyPath,
+                    map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """A checkpoint file, loaded with `weights_only=True`: tensors and plain types, never code."""
-    return torch.load(path, map_location=map_location, weights_only=True)
+    return torch.load(storage.local_copy(storage.location(path)), map_location=map_location,
+                      weights_only=True)
 
 
-def read_meta(path: Path) -> dict[str, Any]:
+def read_meta(path: AnyPath) -> dict[str, Any]:
     """Position and settings of a checkpoint, without its tensors."""
     if path.is_dir():
         return json.loads((path / META).read_text())
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    state = torch.load(storage.local_copy(path), map_location="cpu", weights_only=True, mmap=True)
     return {k: v for k, v in state.items() if k not in ("model", "optimizer", "rng")}
 
 
-def unreadable(path: Path, resuming: bool = False) -> str | None:
+def unreadable(path: AnyPath, resuming: bool = False) -> str | None:
     """Why a checkpoint cannot be loaded (or, `resuming`, resumed from), or None if it can. Reads
     only its structure (a truncated file fails here) and its metadata, not its tensors."""
     if path.is_dir() and not is_complete(path):
@@ -86,11 +95,12 @@ def unreadable(path: Path, resuming: bool = False) -> str | None:
         return "a folder without a checkpoint's .metadata and meta.json"
     if not is_complete(path):
         return "empty: its save did not finish"
-    if path.is_file() and not zipfile.is_zipfile(path):
+    if path.is_file() and not zipfile.is_zipfile(storage.local_copy(path)):
         return "not a checkpoint file: torch.save writes a zip archive; or one cut short"
     try:
         keys = set(read_meta(path)) if path.is_dir() else set(
-            torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+            torch.load(storage.local_copy(path), map_location="cpu", weights_only=True,
+                       mmap=True))
     except Exception as exc:
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
     if "step" not in keys or (path.is_file() and "model" not in keys):
@@ -112,8 +122,16 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_file(state: dict[str, Any], path: Path) -> None:
-    """torch.save to a temp file in the same folder, fsync, rename: all or nothing."""
+def write_file(state: dict[str, Any], path: AnyPath, newest: str = "",
+               timeout_s: float = 300) -> None:
+    """torch.save to a temp file in the same folder, fsync, rename: all or nothing. In object
+    storage: to a local temp file, then one upload, each try within `timeout_s` (`newest` names
+    the checkpoint to fall back on if it fails)."""
+    if isinstance(path, RemotePath):
+        with tempfile.TemporaryDirectory(prefix="ckpt-upload-") as tmp:
+            write_file(state, Path(tmp) / path.name)
+            storage.upload(Path(tmp) / path.name, path, newest, timeout_s)
+        return
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -132,13 +150,6 @@ def write_file(state: dict[str, Any], path: Path) -> None:
         except OSError:
             pass
     _fsync_dir(path.parent)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def _lock(handle: Any) -> bool:
@@ -163,8 +174,11 @@ def _lock(handle: Any) -> bool:
 class CheckpointDir:
     """Rank 0's handle on --checkpoint-dir for one run: lock, set-aside, write, prune."""
 
-    def __init__(self, directory: str | Path, keep_last: int) -> None:
-        self.directory = Path(directory)
+    def __init__(self, directory: str | AnyPath, keep_last: int, timeout_s: float = 300) -> None:
+        self.directory = storage.location(directory)
+        self.remote = isinstance(self.directory, RemotePath)
+        self.timeout_s = timeout_s
+        self.saved: AnyPath | None = None  # this run's newest complete checkpoint
         self.keep_last = keep_last
         self.keep_step: int | None = None  # --keep-best's checkpoint: never pruned
         self._lock_file: Any = None
@@ -172,7 +186,18 @@ class CheckpointDir:
         self._error: SetupError | None = None
 
     def open(self) -> None:
-        """Create and lock the folder, check it is writable, clear leftovers of killed saves."""
+        """Create and lock the folder, check it is writable, clear leftovers of killed saves.
+        In object storage: a write probe, and unfinished saves an hour old are removed."""
+        if self.remote:
+            storage.probe(self.directory, min(30.0, self.timeout_s / 2))
+            try:
+                for path in list_checkpoints(self.directory):
+                    if not is_complete(path) and path.is_dir() and path.age_s() > STALE_S:
+                        storage.remove(path)
+            except OSError as exc:  # e.g. allowed to write but not to list
+                raise SetupError(f"--checkpoint-dir {self.directory}: "
+                                 f"{storage.diagnosis(str(self.directory), exc)}") from None
+            return
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             handle = open(self.directory / ".lock", "a+")
@@ -192,9 +217,11 @@ class CheckpointDir:
         self._lock_file = handle
         for leftover in self.directory.iterdir():
             if _TEMP.match(leftover.name):
-                _remove(leftover)
+                storage.remove(leftover)
 
     def check_space(self, needed: int) -> None:
+        if self.remote:
+            return
         free = shutil.disk_usage(self.directory).free
         if free < needed:
             raise SetupError(f"--checkpoint-dir {self.directory} has {free / 2**20:.0f} MB free; "
@@ -214,7 +241,8 @@ class CheckpointDir:
         after S (an abandoned continuation, or a damaged newest one) move. A run that starts over,
         or resumes from another folder, moves them all. Nothing is deleted."""
         same_folder = (resumed_from is not None
-                       and resumed_from.resolve().parent == self.directory.resolve())
+                       and storage.location(str(resumed_from)).resolve().parent
+                       == self.directory.resolve())
         keep_up_to = step_of(resumed_from) if same_folder else -1
         others = [p for p in list_checkpoints(self.directory) if step_of(p) > keep_up_to]
         if not others:
@@ -222,25 +250,37 @@ class CheckpointDir:
         target = self.directory / f"earlier-{time.strftime('%Y%m%d-%H%M%S')}"
         target.mkdir(exist_ok=True)
         for path in others:
-            os.replace(path, target / path.name)
+            storage.move(path, target / path.name)
         return target
 
     def prune(self) -> None:
+        """Delete complete checkpoints beyond the newest --keep-last (never --keep-best's)."""
         if self.keep_last > 0:
-            for old in list_checkpoints(self.directory)[self.keep_last:]:
+            complete = [p for p in list_checkpoints(self.directory) if is_complete(p)]
+            for old in complete[self.keep_last:]:
                 if step_of(old) != self.keep_step:
-                    _remove(old)
+                    storage.remove(old)
 
-    def commit(self, tmp: Path, final: Path) -> None:
-        """Give a finished temp file or folder its real name, then prune."""
-        os.replace(tmp, final)
-        _fsync_dir(self.directory)
+    def commit(self, tmp: AnyPath, final: AnyPath) -> None:
+        """Give a finished temp file or folder its real name, then prune. (In object storage the
+        folder was written under its real name: its meta.json, just written, completes it.)"""
+        if not self.remote:
+            os.replace(tmp, final)
+            _fsync_dir(self.directory)
+        self.saved = final
         self.prune()
+
+    def newest(self) -> str:
+        """The newest complete checkpoint, as an error line names it (known without asking the
+        storage, which may be what failed)."""
+        return (f"the newest complete checkpoint is {self.saved}" if self.saved is not None
+                else "no checkpoint of this run is complete yet")
 
     # ------------------------------------------------------------------ writing (rank 0)
     def save_file(self, state: dict[str, Any], step: int) -> Path:
         path = checkpoint_path(self.directory, step)
-        write_file(state, path)
+        write_file(state, path, self.newest(), 0.8 * self.timeout_s)  # before the others give up
+        self.saved = path
         self.prune()
         return path
 
@@ -300,7 +340,7 @@ class Staging:
         return state
 
 
-def export(source: Path, output: Path, raw_weights: bool = False) -> None:
+def export(source: AnyPath, output: AnyPath, raw_weights: bool = False) -> None:
     """Any checkpoint (file or folder) as one file that loads with `weights_only=True`: `model`
     (the plain state_dict: the EMA's weights if the run kept one, unless `raw_weights`), which
     weights those are, epoch, step, world_size and config."""
@@ -309,24 +349,37 @@ def export(source: Path, output: Path, raw_weights: bool = False) -> None:
     write_file({"model": model, **{k: meta[k] for k in keep if k in meta}}, output)
 
 
-def model_and_meta(source: Path, raw_weights: bool = False) -> tuple[dict[str, Any],
-                                                                      dict[str, Any]]:
+def model_and_meta(source: AnyPath, raw_weights: bool = False) -> tuple[dict[str, Any],
+                                                                         dict[str, Any]]:
     """The plain model state_dict of any checkpoint (file, folder or export) and its metadata
     (with `weights`: "ema" or "raw"). A checkpoint with an EMA gives the EMA's weights unless
     `raw_weights`."""
-    if not source.exists():
+    try:
+        found = source.exists()
+    except OSError as exc:  # object storage: credentials, endpoint
+        raise SetupError(f"{source}: {storage.diagnosis(str(source), exc)}") from None
+    if not found:
         raise SetupError(f"{source}: no such file or folder")
     why = unreadable(source)
     if why:
         raise SetupError(f"{source}: cannot load it ({why})")
     if source.is_dir():
-        from .sharded import load_full_state
-        state, meta = load_full_state(source), read_meta(source)
+        state, meta = load_full_state(storage.local_copy(source)), read_meta(source)
     else:
         state = meta = load_checkpoint(source)
     averaged = bool(state.get("ema")) and not raw_weights
     return model_state(state, raw_weights), {**meta, "weights": "ema" if averaged else
                                              meta.get("weights", "raw")}
+
+
+def load_full_state(path: Path) -> dict[str, Any]:
+    """A checkpoint folder's state with whole tensors, without a process group (export)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(str(path), str(whole))
+        return torch.load(whole, map_location="cpu", weights_only=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,13 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {__package__}.checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
     exp = sub.add_parser("export", help="write any checkpoint as one weights_only file")
-    exp.add_argument("source", type=Path)
-    exp.add_argument("output", type=Path)
+    exp.add_argument("source", help="a checkpoint file or folder: a path or a URL")
+    exp.add_argument("output", help="the file to write: a path or a URL")
     exp.add_argument("--raw-weights", action="store_true",
                      help="the model's own weights, not the EMA's (for a run with --ema-decay)")
     args = parser.parse_args(argv)
     try:
-        export(args.source, args.output, args.raw_weights)
+        export(storage.given(args.source), storage.given(args.output), args.raw_weights)
     except SetupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

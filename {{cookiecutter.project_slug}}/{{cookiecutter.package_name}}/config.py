@@ -1,12 +1,13 @@
 """Command-line flags, config files, and the run configuration.
 
 `Config` holds what every task shares (launch, data loading, optimizer, precision, checkpoints,
-logging). A task's own settings live in task.py, in its `Settings` dataclass: each field becomes a
---flag too, and the task reads it as `cfg.task.<name>`. The template answers this project was
-generated with are the constants just below: edit them to change a default, or pass the matching
-flag to override it for one run. `--config run.toml` sets any flag from a file (keys spelled like
-the flags without `--`); flags on the command line win. Every value is checked here, before any
-work starts: a bad one is one `error:` line and exit 2.
+logging). A task's own settings live in task.py, in its `Settings` dataclass. Both declare each
+setting once, with `setting`: its default, its help and its check. `build_parser` makes every
+declared field a --flag (batch_size: --batch-size); the task reads its own as `cfg.task.<name>`.
+The template answers this project was generated with are the constants just below: edit them to
+change a default, or pass the matching flag to override it for one run. `--config run.toml` sets
+any flag from a file (keys spelled like the flags without `--`); flags on the command line win.
+Every value is checked here, before any work starts: a bad one is one `error:` line and exit 2.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from . import storage
 from .evaluation import parse_goal
 from .failures import QUIET_EXIT_DELAY_S, leave_for_torchrun, local_rank_from_env
+from .settings import setting  # also task.py's: `from .config import setting` works too
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -37,19 +41,19 @@ DEFAULT_TRACKER = "{{ cookiecutter.tracker }}"
 LAYOUTS = ["data_parallel", "model_parallel_2", "fsdp"]
 COMM_HOOKS = ["none", "bf16", "fp16", "powersgd"]
 TRACKERS = ["none", "tensorboard", "wandb", "mlflow"]
-
-
-def setting(default: Any, help: str, low: float | None = None,
-            unused_with: str | None = None) -> Any:
-    """One field of task.py's `Settings`: its default, the one-line help of its --flag, for
-    numbers the lowest value it accepts, and the Config field (e.g. "data") that makes it do
-    nothing: set both, and the run starts with a warning."""
-    return field(default=default, metadata={"help": help, "low": low, "unused_with": unused_with})
+SEED_MAX = 2**31 - 1  # the seed is offset per rank and per worker; keep it a plain 32-bit value
+GROUPS = {  # the sections of --help, in this order
+    "training": "training",
+    "ddp": "DDP's gradient exchange (docs/performance.md says when to change them)",
+    "data": "data and model (task.py reads these)",
+    "distributed": "distributed",
+    "output": "checkpoints and output",
+}
 
 
 def task_settings() -> type | None:
     """task.py's `Settings` class, if it declares one. (Imported here, not at the top of this
-    module: task.py imports this module.)"""
+    module, so that importing the configuration does not build the task's imports.)"""
     from . import task
 
     return getattr(task, "Settings", None)
@@ -60,63 +64,226 @@ class NoSettings:
     """The settings of a task.py that declares none."""
 
 
+# ---------------------------------------------------------------------- value checks
+def _int(low: float = -math.inf, high: float = math.inf) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            limit = (f"at least {low}" if high == math.inf else f"at most {high}"
+                     if low == -math.inf else f"between {low} and {high}")
+            raise argparse.ArgumentTypeError(f"must be {limit}, got {value}")
+        return value
+    parse.__name__ = "integer"  # what argparse names in "invalid integer value"
+    return parse
+
+
+def _float(low: float, inclusive: bool, high: float = math.inf) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text)
+        ok = math.isfinite(value) and (value >= low if inclusive else value > low) and value <= high
+        if not ok:
+            bound = f"{'at least' if inclusive else 'greater than'} {low:g}"
+            if high < math.inf:
+                bound += f" and at most {high:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+def _number(kind: str, low: float | None, high: float | None) -> Callable[[str], Any] | None:
+    """The check of an int or float setting: at least `low`, at most `high`, where declared."""
+    top = math.inf if high is None else high
+    if kind.startswith("int"):
+        return _int(-math.inf if low is None else int(low), top)
+    if kind.startswith("float"):
+        return _float(-math.inf if low is None else low, True, top)
+    return None
+
+
+def _ema_decay(text: str) -> float:
+    value = float(text)
+    if not (value == 0 or 0 < value < 1):
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or between 0 and 1, e.g. 0.999; got "
+                                         f"{text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text}")
+    return value
+
+
+_ema_decay.__name__ = _fraction.__name__ = "number"
+
+
+def _goal(text: str) -> str:
+    try:
+        parse_goal(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _early_stop(text: str) -> str:
+    goal, _, patience = text.rpartition(":")
+    if not goal or not patience.isdigit() or int(patience) < 1:
+        raise argparse.ArgumentTypeError(f"expected METRIC[:max|min]:PATIENCE with PATIENCE at "
+                                         f"least 1, e.g. val_loss:3, got {text!r}")
+    return f"{_goal(goal)}:{patience}"
+
+
+def _run_name(text: str) -> str:
+    if not text or text in (".", "..") or "/" in text or "\\" in text:
+        raise argparse.ArgumentTypeError(f"must be a plain folder name (no slashes), got {text!r}")
+    return text
+
+
+def _device_list(text: str) -> list[str]:
+    devices = [part.strip() for part in text.split(",") if part.strip()]
+    if len(devices) != 2 or not all(d == "cpu" or d.startswith("cuda") for d in devices):
+        raise argparse.ArgumentTypeError(f"expected two devices like cuda:0,cuda:1, got {text!r}")
+    return devices
+
+
+def _step_range(text: str) -> str:
+    first, sep, last = text.partition(":")
+    if not (sep and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise argparse.ArgumentTypeError(f"expected FIRST:LAST optimizer steps like 10:15, got "
+                                         f"{text!r}")
+    return text
+
+
+# ---------------------------------------------------------------------- the settings
 @dataclass
 class Config:
     """Everything a run needs to know. Built by `parse_args`, saved (as plain types) in
-    checkpoints and in <output-dir>/config.json."""
+    checkpoints and in <output-dir>/config.json. Each field declared with `setting` is a --flag
+    (numbers checked against `low`/`high`, a bool a switch that turns it on) and a key of
+    --config files, listed by --help in the order below."""
 
-    epochs: int = 3
-    batch_size: int = 32
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    seed: int = 0
-    precision: str = "fp32"
-    grad_accum: int = 1
-    clip_grad: float = 0.0
-    ema_decay: float = 0.0
-    max_steps: int = 0
-    deterministic: bool = False
-    compile: bool = False
-    find_unused_parameters: bool = False
-    bucket_cap_mb: float | None = None  # DDP's default: 25 MB, and a first bucket of 1 MB
-    static_graph: bool = False
-    gradient_as_bucket_view: bool = True
-    comm_hook: str = "none"
-    powersgd_rank: int = 1
-    powersgd_warmup_steps: int = 1000
-    data: str | None = None
-    val_fraction: float = 0.1
-    num_workers: int = 0
-    data_on_device: str = "auto"
-    sync_bn: bool = False
-    model_layout: str = DEFAULT_MODEL_LAYOUT
-    stage_devices: list[str] = field(default_factory=list)
-    shard_group_size: int = 0  # fsdp: 0 = one node when the job spans several, else every rank
-    backend: str = DEFAULT_BACKEND
-    init_method: str = DEFAULT_INIT_METHOD
-    timeout_s: float = 300.0
-    nprocs: int = 1
-    local_rank: int | None = None
-    checkpoint_dir: str = "checkpoints"
-    save_every: int = 1
-    save_every_steps: int = 0
-    keep_last: int = 3
-    resume: str = "auto"
-    async_save: bool = False
-    output_dir: str = "runs/latest"
-    run_name: str | None = None
-    eval_every_steps: int = 0
-    eval_only: bool = False
-    keep_best: str | None = None
-    early_stop: str | None = None
-    log_every: int = 10
-    step_times: str | None = None
-    profile_steps: str | None = None
-    tracker: str = DEFAULT_TRACKER
-    progress: bool = True
-    config: str | None = None
+    epochs: int = setting(3, "passes over the data", low=1, group="training")
+    batch_size: int = setting(32, "samples per process per step", low=1, group="training")
+    lr: float = setting(3e-3, "peak learning rate (AdamW)", type=_float(0, False, 10.0),
+                        group="training")
+    weight_decay: float = setting(0.0, "AdamW weight decay", low=0, group="training")
+    lr_schedule: str = setting("constant", "after the warm-up: constant, or a cosine or linear "
+                               "decay to 0", choices=["constant", "cosine", "linear"],
+                               group="training")
+    warmup_steps: int = setting(0, "linear warm-up steps", low=0, group="training")
+    seed: int = setting(0, "seeds data, model init and every rank", low=0, high=SEED_MAX,
+                        group="training")
+    precision: str = setting("fp32", "autocast dtype; fp16 needs CUDA (it uses a GradScaler)",
+                             choices=["fp32", "bf16", "fp16"], group="training")
+    grad_accum: int = setting(1, "micro-batches per optimizer step", low=1, group="training")
+    clip_grad: float = setting(0.0, "max gradient norm, 0 = off", low=0, group="training")
+    ema_decay: float = setting(0.0, "evaluate, save and export an exponential moving average of "
+                               "the weights (after each step: D x average + (1 - D) x weights), "
+                               "e.g. 0.999; 0 = off", type=_ema_decay, metavar="D",
+                               group="training")
+    max_steps: int = setting(0, "stop after this many optimizer steps in total, 0 = no limit",
+                             low=0, group="training")
+    deterministic: bool = setting(False, "deterministic algorithms only (slower on GPU; an error "
+                                  "names any op without one)", group="training")
+    compile: bool = setting(False, "torch.compile the model", group="training")
+    find_unused_parameters: bool = setting(False, "DDP find_unused_parameters (only for models "
+                                           "with unused branches)", group="training")
+
+    bucket_cap_mb: float | None = setting(None, "size of DDP's gradient buckets, each all-reduced "
+                                          "as soon as its gradients are ready (default: DDP's 25, "
+                                          "with a first bucket of 1)",
+                                          type=_float(0, False, 4096.0), group="ddp")
+    static_graph: bool = setting(False, "DDP static_graph: the same parameters are used in every "
+                                 "step", group="ddp")
+    gradient_as_bucket_view: bool = setting(True, "gradients live inside DDP's buckets (no copy "
+                                            "in and out)",
+                                            action=argparse.BooleanOptionalAction, group="ddp")
+    comm_hook: str = setting("none", "none: all-reduce as is; bf16/fp16: send half the bytes; "
+                             "powersgd: low-rank compression", choices=COMM_HOOKS, group="ddp")
+    powersgd_rank: int = setting(1, "--comm-hook powersgd: rank of each gradient's "
+                                 "approximation", low=1, high=64, group="ddp")
+    powersgd_warmup_steps: int = setting(1000, "--comm-hook powersgd: steps of plain all-reduce "
+                                         "before compression", low=2, group="ddp")
+
+    data: str | None = setting(None, "your data on disk instead of the synthetic set (task.py "
+                               "reads it)", metavar="PATH", group="data")
+    val_fraction: float = setting(0.1, "share of the data held out and evaluated after every "
+                                  "epoch, 0 = none", type=_fraction, group="data")
+    num_workers: int = setting(0, "DataLoader worker processes per rank (0: batches are made "
+                               "in-process)", low=0, high=64, group="data")
+    data_on_device: str = setting("auto", "auto: on a GPU, an in-memory data set that takes at "
+                                  "most a quarter of the free memory lives there (no copy per "
+                                  "step; --num-workers 0 only)", choices=["auto", "never"],
+                                  group="data")
+    sync_bn: bool = setting(False, "convert BatchNorm to SyncBatchNorm (CUDA only; a warning on "
+                            "CPU)", group="data")
+    model_layout: str = setting(DEFAULT_MODEL_LAYOUT, "one device per process (DDP), the model "
+                                "split over two devices per process, or parameters sharded "
+                                "across ranks (FSDP2)", choices=LAYOUTS, group="data")
+    stage_devices: list[str] = setting([], "model_parallel_2: the two devices of this process, "
+                                       "e.g. cuda:0,cuda:1", type=_device_list,
+                                       metavar="DEV0,DEV1", group="data")
+    shard_group_size: int = setting(0, "fsdp: shard the model over groups of N ranks and "
+                                    "replicate it across the groups (HSDP); 0 = one node's ranks "
+                                    "when the job spans several nodes, else all ranks (plain "
+                                    "fsdp)", low=0, metavar="N", group="data")
+
+    backend: str = setting(DEFAULT_BACKEND, "auto = nccl when CUDA GPUs are visible, else gloo",
+                           choices=["auto", "nccl", "gloo"], group="distributed")
+    init_method: str = setting(DEFAULT_INIT_METHOD, "env, tcp, file, tcp://HOST:PORT, "
+                               "file:///path or a path like ./store", metavar="METHOD",
+                               group="distributed")
+    timeout_s: float = setting(300.0, "seconds any wait for the other ranks may take before the "
+                               "run fails", low=1, high=7 * 24 * 3600, group="distributed")
+    nprocs: int = setting(1, "start this many processes with mp.spawn (only without a "
+                          "launcher)", low=1, high=1024, group="distributed")
+    local_rank: int | None = setting(None, "set by the legacy torch.distributed.launch; "
+                                     "LOCAL_RANK from the environment wins", low=0,
+                                     flags=["--local-rank", "--local_rank"], in_file=False,
+                                     group="distributed")
+
+    checkpoint_dir: str = setting("checkpoints", "where checkpoints are written", group="output")
+    save_every: int = setting(1, "save every N epochs, 0 = only at the end", low=0,
+                              group="output")
+    save_every_steps: int = setting(0, "also save every N optimizer steps, 0 = off", low=0,
+                                    group="output")
+    keep_last: int = setting(3, "checkpoints of this run to keep, 0 = keep all", low=0,
+                             group="output")
+    resume: str = setting("auto", "auto = newest complete checkpoint in --checkpoint-dir, if "
+                          "any", metavar="{auto,never,PATH}", group="output")
+    async_save: bool = setting(False, "write checkpoints in the background while training goes "
+                               "on", group="output")
+    output_dir: str = setting("runs/latest", "metrics.jsonl, summary.json and config.json go "
+                              "here", group="output")
+    run_name: str | None = setting(None, "outputs in runs/NAME and checkpoints in "
+                                   "checkpoints/NAME (unless --output-dir / --checkpoint-dir "
+                                   "are given)", type=_run_name, group="output")
+    eval_every_steps: int = setting(0, "also evaluate every N optimizer steps (0: only at the end "
+                                    "of epochs)", low=0, group="output")
+    eval_only: bool = setting(False, "evaluate the --resume checkpoint, write "
+                              "<output-dir>/eval.json, change nothing", group="output")
+    keep_best: str | None = setting(None, "also keep the checkpoint with the best METRIC (e.g. "
+                                    "val_accuracy:max), whatever --keep-last says", type=_goal,
+                                    metavar="METRIC[:max|min]", group="output")
+    early_stop: str | None = setting(None, "stop when METRIC has not improved for PATIENCE "
+                                     "evaluations", type=_early_stop,
+                                     metavar="METRIC[:max|min]:PATIENCE", group="output")
+    log_every: int = setting(10, "log every N optimizer steps", low=1, group="output")
+    step_times: str | None = setting(None, "write rank 0's wall-clock time at the end of every "
+                                     "optimizer step (on a GPU also each step's CUDA-event time) "
+                                     "to this JSON file", metavar="PATH", group="output")
+    profile_steps: str | None = setting(None, "record a torch.profiler trace of these optimizer "
+                                        "steps on rank 0 into <output-dir>/profile/",
+                                        type=_step_range, metavar="FIRST:LAST", group="output")
+    tracker: str = setting(DEFAULT_TRACKER, "where metrics go besides metrics.jsonl (rank 0 only)",
+                           choices=TRACKERS, group="output")
+    progress: bool = setting(True, "no progress bar", flags=["--no-progress"],
+                             action="store_false", group="output")
+    config: str | None = setting(None, "a TOML file of flag values (keys like the flags without "
+                                 "--); flags given on the command line win", metavar="PATH",
+                                 in_file=False, group="output")
     task: Any = field(default_factory=NoSettings)  # task.py's Settings
     # Fields set by a flag or the --config file rather than left at their default ("task.x" for a
     # task setting): a resumed run keeps the earlier run's retention unless it is given again.
@@ -143,87 +310,7 @@ class Config:
         return int(first), int(last)
 
 
-# ---------------------------------------------------------------------- value checks
-def _int(low: int, high: int | None = None):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low or (high is not None and value > high):
-            limit = f"between {low} and {high}" if high is not None else f"at least {low}"
-            raise argparse.ArgumentTypeError(f"must be {limit}, got {value}")
-        return value
-    parse.__name__ = "integer"  # what argparse names in "invalid integer value"
-    return parse
-
-
-def _float(low: float, inclusive: bool, high: float = math.inf):
-    def parse(text: str) -> float:
-        value = float(text)
-        ok = math.isfinite(value) and (value >= low if inclusive else value > low) and value <= high
-        if not ok:
-            bound = f"{'at least' if inclusive else 'greater than'} {low:g}"
-            if high < math.inf:
-                bound += f" and at most {high:g}"
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-    parse.__name__ = "number"
-    return parse
-
-
-def _ema_decay(text: str) -> float:
-    value = float(text)
-    if not (value == 0 or 0 < value < 1):
-        raise argparse.ArgumentTypeError(f"must be 0 (off) or between 0 and 1, e.g. 0.999; got "
-                                         f"{text}")
-    return value
-
-
-_ema_decay.__name__ = "number"
-
-
-def _goal(text: str) -> str:
-    try:
-        parse_goal(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _early_stop(text: str) -> str:
-    goal, _, patience = text.rpartition(":")
-    if not goal or not patience.isdigit() or int(patience) < 1:
-        raise argparse.ArgumentTypeError(f"expected METRIC[:max|min]:PATIENCE with PATIENCE at "
-                                         f"least 1, e.g. val_loss:3, got {text!r}")
-    return f"{_goal(goal)}:{patience}"
-
-
-def _run_name(text: str) -> str:
-    if not text or text in (".", "..") or "/" in text or "\\" in text:
-        raise argparse.ArgumentTypeError(f"must be a plain folder name (no slashes), got {text!r}")
-    return text
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text}")
-    return value
-
-
-def _device_list(text: str) -> list[str]:
-    devices = [part.strip() for part in text.split(",") if part.strip()]
-    if len(devices) != 2 or not all(d == "cpu" or d.startswith("cuda") for d in devices):
-        raise argparse.ArgumentTypeError(f"expected two devices like cuda:0,cuda:1, got {text!r}")
-    return devices
-
-
-def _step_range(text: str) -> str:
-    first, sep, last = text.partition(":")
-    if not (sep and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
-        raise argparse.ArgumentTypeError(f"expected FIRST:LAST optimizer steps like 10:15, got "
-                                         f"{text!r}")
-    return text
-
-
+# ---------------------------------------------------------------------- flags
 class Parser(argparse.ArgumentParser):
     """argparse, with bad flags as one `error:` line, printed once per node, exit code 2."""
 
@@ -241,147 +328,32 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-SEED_MAX = 2**31 - 1  # the seed is offset per rank and per worker; keep it a plain 32-bit value
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default at the end of its help, once: not where the help states it itself,
+    nor for a list (empty unless a --config file set it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if isinstance(action.default, list) or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser(settings: type | None = None) -> Parser:
-    """Every flag: the project's, and those of task.py's `Settings` class (if it has one)."""
-    d = Config()
+    """Every flag: one per `setting` of Config, and one per field of task.py's `Settings` class
+    (if it has one)."""
     p = Parser(description="Train a model with PyTorch DistributedDataParallel.",
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+               formatter_class=_Help)
     p.task_types = {}
-    g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=_int(1), default=d.epochs, help="passes over the data")
-    g.add_argument("--batch-size", type=_int(1), default=d.batch_size,
-                   help="samples per process per step")
-    g.add_argument("--lr", type=_float(0, False, 10.0), default=d.lr,
-                   help="peak learning rate (AdamW)")
-    g.add_argument("--weight-decay", type=_float(0, True), default=d.weight_decay,
-                   help="AdamW weight decay")
-    g.add_argument("--lr-schedule", choices=["constant", "cosine", "linear"],
-                   default=d.lr_schedule,
-                   help="after the warm-up: constant, or a cosine or linear decay to 0")
-    g.add_argument("--warmup-steps", type=_int(0), default=d.warmup_steps,
-                   help="linear warm-up steps")
-    g.add_argument("--seed", type=_int(0, SEED_MAX), default=d.seed,
-                   help="seeds data, model init and every rank")
-    g.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=d.precision,
-                   help="autocast dtype; fp16 needs CUDA (it uses a GradScaler)")
-    g.add_argument("--grad-accum", type=_int(1), default=d.grad_accum,
-                   help="micro-batches per optimizer step")
-    g.add_argument("--clip-grad", type=_float(0, True), default=d.clip_grad,
-                   help="max gradient norm, 0 = off")
-    g.add_argument("--ema-decay", type=_ema_decay, default=d.ema_decay, metavar="D",
-                   help="evaluate, save and export an exponential moving average of the weights "
-                        "(after each step: D x average + (1 - D) x weights), e.g. 0.999; 0 = off")
-    g.add_argument("--max-steps", type=_int(0), default=d.max_steps,
-                   help="stop after this many optimizer steps in total, 0 = no limit")
-    g.add_argument("--deterministic", action="store_true",
-                   help="deterministic algorithms only (slower on GPU; an error names any op "
-                        "without one)")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model")
-    g.add_argument("--find-unused-parameters", action="store_true",
-                   help="DDP find_unused_parameters (only for models with unused branches)")
-
-    g = p.add_argument_group("DDP's gradient exchange (docs/performance.md says when to change "
-                             "them)")
-    g.add_argument("--bucket-cap-mb", type=_float(0, False, 4096.0), default=d.bucket_cap_mb,
-                   help="size of DDP's gradient buckets, each all-reduced as soon as its "
-                        "gradients are ready (default: DDP's 25, with a first bucket of 1)")
-    g.add_argument("--static-graph", action="store_true",
-                   help="DDP static_graph: the same parameters are used in every step")
-    g.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction,
-                   default=d.gradient_as_bucket_view,
-                   help="gradients live inside DDP's buckets (no copy in and out)")
-    g.add_argument("--comm-hook", choices=COMM_HOOKS, default=d.comm_hook,
-                   help="none: all-reduce as is; bf16/fp16: send half the bytes; powersgd: "
-                        "low-rank compression")
-    g.add_argument("--powersgd-rank", type=_int(1, 64), default=d.powersgd_rank,
-                   help="--comm-hook powersgd: rank of each gradient's approximation")
-    g.add_argument("--powersgd-warmup-steps", type=_int(2), default=d.powersgd_warmup_steps,
-                   help="--comm-hook powersgd: steps of plain all-reduce before compression")
-
-    g = p.add_argument_group("data and model (task.py reads these)")
-    g.add_argument("--data", default=d.data, metavar="PATH",
-                   help="your data on disk instead of the synthetic set (task.py reads it)")
-    g.add_argument("--val-fraction", type=_fraction, default=d.val_fraction,
-                   help="share of the data held out and evaluated after every epoch, 0 = none")
-    g.add_argument("--num-workers", type=_int(0, 64), default=d.num_workers,
-                   help="DataLoader worker processes per rank (0: batches are made in-process)")
-    g.add_argument("--data-on-device", choices=["auto", "never"], default=d.data_on_device,
-                   help="auto: on a GPU, an in-memory data set that takes at most a quarter of "
-                        "the free memory lives there (no copy per step; --num-workers 0 only)")
-    g.add_argument("--sync-bn", action="store_true",
-                   help="convert BatchNorm to SyncBatchNorm (CUDA only; a warning on CPU)")
-    g.add_argument("--model-layout", choices=LAYOUTS, default=d.model_layout,
-                   help="one device per process (DDP), the model split over two devices per "
-                        "process, or parameters sharded across ranks (FSDP2)")
-    g.add_argument("--stage-devices", type=_device_list, default=d.stage_devices,
-                   metavar="DEV0,DEV1",
-                   help="model_parallel_2: the two devices of this process, e.g. cuda:0,cuda:1")
-    g.add_argument("--shard-group-size", type=_int(0), default=d.shard_group_size, metavar="N",
-                   help="fsdp: shard the model over groups of N ranks and replicate it across "
-                        "the groups (HSDP); 0 = one node's ranks when the job spans several "
-                        "nodes, else all ranks (plain fsdp)")
-
-    g = p.add_argument_group("distributed")
-    g.add_argument("--backend", choices=["auto", "nccl", "gloo"], default=d.backend,
-                   help="auto = nccl when CUDA GPUs are visible, else gloo")
-    g.add_argument("--init-method", default=d.init_method, metavar="METHOD",
-                   help="env, tcp, file, tcp://HOST:PORT, file:///path or a path like ./store")
-    g.add_argument("--timeout-s", type=_float(1, True, 7 * 24 * 3600.0), default=d.timeout_s,
-                   help="seconds any wait for the other ranks may take before the run fails")
-    g.add_argument("--nprocs", type=_int(1, 1024), default=d.nprocs,
-                   help="start this many processes with mp.spawn (only without a launcher)")
-    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=_int(0), default=None,
-                   help="set by the legacy torch.distributed.launch; LOCAL_RANK from the "
-                        "environment wins")
-
-    g = p.add_argument_group("checkpoints and output")
-    g.add_argument("--checkpoint-dir", default=d.checkpoint_dir,
-                   help="where checkpoints are written")
-    g.add_argument("--save-every", type=_int(0), default=d.save_every,
-                   help="save every N epochs, 0 = only at the end")
-    g.add_argument("--save-every-steps", type=_int(0), default=d.save_every_steps,
-                   help="also save every N optimizer steps, 0 = off")
-    g.add_argument("--keep-last", type=_int(0), default=d.keep_last,
-                   help="checkpoints of this run to keep, 0 = keep all")
-    g.add_argument("--resume", default=d.resume, metavar="{auto,never,PATH}",
-                   help="auto = newest complete checkpoint in --checkpoint-dir, if any")
-    g.add_argument("--async-save", action="store_true",
-                   help="write checkpoints in the background while training goes on")
-    g.add_argument("--output-dir", default=d.output_dir,
-                   help="metrics.jsonl, summary.json and config.json go here")
-    g.add_argument("--eval-every-steps", type=_int(0), default=d.eval_every_steps,
-                   help="also evaluate every N optimizer steps (0: only at the end of epochs)")
-    g.add_argument("--eval-only", action="store_true", default=d.eval_only,
-                   help="evaluate the --resume checkpoint, write <output-dir>/eval.json, "
-                        "change nothing")
-    g.add_argument("--keep-best", type=_goal, default=d.keep_best, metavar="METRIC[:max|min]",
-                   help="also keep the checkpoint with the best METRIC (e.g. val_accuracy:max), "
-                        "whatever --keep-last says")
-    g.add_argument("--early-stop", type=_early_stop, default=d.early_stop,
-                   metavar="METRIC[:max|min]:PATIENCE",
-                   help="stop when METRIC has not improved for PATIENCE evaluations")
-    g.add_argument("--run-name", type=_run_name, default=d.run_name,
-                   help="outputs in runs/NAME and checkpoints in checkpoints/NAME (unless "
-                        "--output-dir / --checkpoint-dir are given)")
-    g.add_argument("--log-every", type=_int(1), default=d.log_every,
-                   help="log every N optimizer steps")
-    g.add_argument("--step-times", default=d.step_times, metavar="PATH",
-                   help="write rank 0's wall-clock time at the end of every optimizer step (on a "
-                        "GPU also each step's CUDA-event time) to this JSON file")
-    g.add_argument("--profile-steps", type=_step_range, default=d.profile_steps,
-                   metavar="FIRST:LAST",
-                   help="record a torch.profiler trace of these optimizer steps on rank 0 into "
-                        "<output-dir>/profile/")
-    g.add_argument("--tracker", choices=TRACKERS, default=d.tracker,
-                   help="where metrics go besides metrics.jsonl (rank 0 only)")
-    g.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar")
-    g.add_argument("--config", default=None, metavar="PATH",
-                   help="a TOML file of flag values (keys like the flags without --); flags given "
-                        "on the command line win")
+    defaults, groups = Config(), {}
+    for f in dataclasses.fields(Config):
+        name = f.metadata.get("group")
+        if name is None:  # task and given: filled in by parse_args
+            continue
+        if name not in groups:
+            groups[name] = p.add_argument_group(GROUPS[name])
+        implied = ({"action": "store_true"} if f.type == "bool" else
+                   {"type": _number(f.type, f.metadata["low"], f.metadata["high"])})
+        _add_flag(groups[name], f, f.name, getattr(defaults, f.name), implied)
     if settings is not None:
         g = p.add_argument_group("task.py's settings (the task reads cfg.task.<name>)")
         for f in dataclasses.fields(settings):
@@ -389,14 +361,16 @@ def build_parser(settings: type | None = None) -> Parser:
     return p
 
 
+def _add_flag(group: Any, f: dataclasses.Field, dest: str, default: Any,
+              implied: dict[str, Any]) -> None:
+    """The --flag of one setting: what its declaration says, over what its type implies."""
+    kwargs = implied | f.metadata.get("flag", {})
+    flags = kwargs.pop("flags", ["--" + f.name.replace("_", "-")])
+    group.add_argument(*flags, dest=dest, default=default, help=f.metadata.get("help", ""),
+                       **kwargs)
+
+
 SETTING_TYPES = ("int", "float", "bool", "str", "str | None")
-
-
-def _any_int(text: str) -> int:
-    return int(text)
-
-
-_any_int.__name__ = "integer"
 
 
 def _add_setting(parser: Parser, group: Any, f: dataclasses.Field) -> None:
@@ -411,23 +385,17 @@ def _add_setting(parser: Parser, group: Any, f: dataclasses.Field) -> None:
                     "float, bool, str or str | None")
     if f.default is dataclasses.MISSING:
         parser.fail(f"task.py: setting '{f.name}' has no default; give it one")
-    help_text = f.metadata.get("help", "")
     dest = f"task.{f.name}"
     parser.task_types[dest] = kind
-    if kind == "bool":
-        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                           dest=dest, help=help_text)
+    if kind == "bool":  # --name and --no-name: the default may be either
+        implied = {"action": argparse.BooleanOptionalAction}
     else:
-        low = f.metadata.get("low")
-        numbers = {"int": _any_int if low is None else _int(int(low)),
-                   "float": _float(-math.inf if low is None else low, True)}
-        group.add_argument(flag, type=numbers.get(kind, str), default=f.default, dest=dest,
-                           metavar=kind.split()[0].upper(), help=help_text)
+        check = _number(kind, f.metadata.get("low"), f.metadata.get("high"))
+        implied = {"type": check or str, "metavar": kind.split()[0].upper()}
+    _add_flag(group, f, dest, f.default, implied)
 
 
 # ---------------------------------------------------------------------- config files
-# Not settable from a file: they describe one launch, not the run.
-_LAUNCH_ONLY = {"config", "local-rank", "local_rank"}
 _TOML_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
                "str | None": (str,), "int | None": (int,), "float | None": (int, float),
                "list[str]": (str, list)}
@@ -449,11 +417,13 @@ def config_file_values(path: str, parser: Parser) -> dict[str, Any]:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         parser.fail(f"--config {path}: not a readable TOML file ({exc})")
     actions = _flag_actions(parser)
+    # Not settable from a file (in_file=False): they describe one launch, not the run.
+    launch_only = {f.name for f in dataclasses.fields(Config) if f.metadata.get("in_file") is False}
     types = {f.name: f.type for f in dataclasses.fields(Config)} | parser.task_types
     values: dict[str, Any] = {}
     for key, value in table.items():
         action = actions.get(key)
-        if action is None or key in _LAUNCH_ONLY:
+        if action is None or action.dest in launch_only:
             parser.fail(f"--config {path}: unknown key '{key}'; keys are the flags without '--' "
                          "(see --help)")
         dest = action.dest
@@ -549,15 +519,17 @@ def _config_path(argv: list[str] | None) -> str | None:
 def problems(cfg: Config) -> list[str]:
     """Combinations of values that cannot work, found before any work starts."""
     found = []
-    for flag, value in (("--checkpoint-dir", cfg.checkpoint_dir), ("--resume", cfg.resume),
-                        ("--output-dir", cfg.output_dir)):
-        if "://" in value:  # as a path it would be a local folder named like the bucket: lost
-            return [f"{flag} {value.split('://')[0]}://...: URLs are not supported yet; give a "
-                    "local or shared-file-system path"]
+    if "://" in cfg.output_dir:  # as a path it would be a local folder named like the bucket
+        return [f"--output-dir {cfg.output_dir.split('://')[0]}://...: metrics are written to a "
+                "local folder; give a path (checkpoints take a URL: --checkpoint-dir)"]
+    for flag, value in (("--checkpoint-dir", cfg.checkpoint_dir), ("--resume", cfg.resume)):
+        why = storage.url_problem(value)
+        if why:
+            return [f"{flag} {storage.redact(value)}: {why}"]
     if cfg.data is not None and not Path(cfg.data).exists():
         found.append(f"--data {cfg.data}: no such file or folder")
     for flag, value in (("--checkpoint-dir", cfg.checkpoint_dir), ("--output-dir", cfg.output_dir)):
-        if Path(value).exists() and not Path(value).is_dir():
+        if not storage.is_url(value) and Path(value).exists() and not Path(value).is_dir():
             found.append(f"{flag} {value} is a file, not a folder; pick a folder")
     if cfg.step_times and Path(cfg.step_times).is_dir():
         found.append(f"--step-times {cfg.step_times} is a folder; name a file, e.g. "
@@ -571,7 +543,8 @@ def problems(cfg: Config) -> list[str]:
                      "DDP's no_sync with static_graph); drop one of them")
     if cfg.sync_bn and cfg.model_layout == "fsdp":
         found.append("--sync-bn does not work with --model-layout fsdp; drop --sync-bn")
-    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+    if (cfg.resume not in ("auto", "never") and not storage.is_url(cfg.resume)
+            and not Path(cfg.resume).exists()):
         found.append(f"--resume {cfg.resume}: no such file or folder; use --resume auto or "
                      "--resume never")
     return found

@@ -240,6 +240,19 @@ def peak_memory_mb(device: torch.device) -> tuple[float, float]:
     return (rss / 2**20 if sys.platform == "darwin" else rss / 2**10), 0.0  # bytes vs KiB
 
 
+def closing_lines(summary: dict[str, Any], last_loss: float | None, checkpoints: str,
+                  path: Path) -> str:
+    """What rank 0 prints at a successful end: throughput, the final loss, where things are."""
+    loss = "n/a" if last_loss is None else f"{last_loss:.5f}"
+    tokens = f"{summary['tokens_per_s']:.0f} tokens/s, " if "tokens_per_s" in summary else ""
+    if summary.get("mfu") is not None:
+        tokens += f"MFU {100 * summary['mfu']:.1f}%, "
+    return (f"throughput: {summary['samples_per_s']:.0f} samples/s, {tokens}median step "
+            f"{summary['median_step_ms']} ms, first step {summary['time_to_first_step_s']} s "
+            f"after start\ndone: {summary['steps']} steps, final loss {loss}\n"
+            f"checkpoints: {checkpoints}\nsummary: {path.resolve()}")
+
+
 class Bookkeeping:
     """The chores around every step, behind one object: the progress bar, the step clock, the
     profiler, and when to log and when to save."""

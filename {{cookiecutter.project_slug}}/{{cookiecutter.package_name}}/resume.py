@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import sharded
+from . import sharded, storage
 from .checkpoint import is_complete, list_checkpoints, load_checkpoint, read_meta, unreadable
 from .config import Config
 from .ema import EMA
@@ -24,21 +24,22 @@ from .failures import SetupError
 
 
 # ---------------------------------------------------------------------- which checkpoint
-def pick_checkpoint(resume: str, directory: str | Path) -> Path | None:
+def pick_checkpoint(resume: str, directory: str) -> storage.AnyPath | None:
     """What --resume asks for (rank 0): never -> None, auto -> the newest that reads, or PATH."""
     if resume == "never":
         return None
     if resume != "auto":
-        inside = list_checkpoints(resume) if not is_complete(Path(resume)) else []
+        path = storage.location(resume)
+        inside = list_checkpoints(path) if not is_complete(path) else []
         if inside:
             raise SetupError(f"--resume {resume} is a folder of checkpoints, not one; name one of "
                              f"them (the newest is {inside[0]}), or use --resume auto "
                              f"--checkpoint-dir {resume}")
-        why = unreadable(Path(resume), resuming=True)
+        why = unreadable(path, resuming=True)
         if why:
             raise SetupError(f"--resume {resume}: cannot load it ({why}); pick another checkpoint "
                              "or use --resume auto")
-        return Path(resume)
+        return path
     for path in list_checkpoints(directory):
         why = unreadable(path, resuming=True)
         if why is None:

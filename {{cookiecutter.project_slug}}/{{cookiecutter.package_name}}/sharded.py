@@ -5,6 +5,8 @@ an FSDP2 model its local shards (DTensors). DCP writes each rank's shards into o
 folder and reads them back on any number of ranks, resharding as needed. A folder is written under
 a temporary name; rank 0 adds `meta.json` and renames it once DCP has written its `.metadata`
 (the last file, after every rank's data), so a folder with the real name is always complete.
+In object storage (no rename) the folder is written under its real name, and `meta.json`, written
+last, is what makes it complete.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import inspect
 import json
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,8 +28,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from . import storage
 from .checkpoint import META, CheckpointDir, checkpoint_path
 from .failures import SetupError, agree
+from .storage import AnyPath, RemotePath
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -56,7 +59,7 @@ def set_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                    options=StateDictOptions(full_state_dict=True))
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+def load(path: AnyPath, model: nn.Module, optimizer: torch.optim.Optimizer,
          extra: dict[str, Any] | None = None) -> torch.Tensor | None:
     """Load a checkpoint folder into any layout (every rank); returns the saved random states
     when they fit this world (same number of ranks), else None. `extra`: more state the folder
@@ -72,24 +75,16 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     return state.get("rng")
 
 
-def load_full_state(path: Path) -> dict[str, Any]:
-    """A checkpoint folder's state with whole tensors, without a process group (export)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with __import__("tempfile").TemporaryDirectory() as tmp:
-        whole = Path(tmp) / "whole.pt"
-        dcp_to_torch_save(str(path), str(whole))
-        return torch.load(whole, map_location="cpu", weights_only=True)
-
-
 class ShardedCheckpoints:
     """Saves of one run in the DCP format; with `background`, the writing overlaps training."""
 
     def __init__(self, ckpt_dir: CheckpointDir | None, directory: str, background: bool,
                  comm_device: torch.device) -> None:
-        self.ckpt_dir, self.directory = ckpt_dir, Path(directory)
+        self.ckpt_dir, self.directory = ckpt_dir, storage.location(directory)
         self.background, self.comm_device = background, comm_device
         self._pending: Future | None = None
+        self.saved: AnyPath | None = None  # the newest complete checkpoint, on every rank
+        self._in_flight: AnyPath | None = None
         self._group: Any = None
         self._stager: Any = None
 
@@ -97,7 +92,8 @@ class ShardedCheckpoints:
              meta: dict[str, Any], step: int, prepare: Callable[[], None],
              extra: dict[str, Any] | None = None) -> None:
         final = checkpoint_path(self.directory, step, sharded=True)
-        tmp = final.with_name(f".{final.name}.tmp")
+        remote = isinstance(final, RemotePath)
+        tmp = final if remote else final.with_name(f".{final.name}.tmp")
         meta = {**meta, "rng_shape": list(rng.shape)}
         self.wait()  # at most one save in flight
         agree(prepare, self.comm_device)
@@ -112,6 +108,7 @@ class ShardedCheckpoints:
             if not self.background:
                 dcp.save(state, checkpoint_id=str(tmp))
                 agree(commit, self.comm_device)
+                self.saved = final
                 return
             if self._group is None:  # background saves talk over a group of their own
                 self._group = dist.new_group(backend="gloo")
@@ -120,9 +117,9 @@ class ShardedCheckpoints:
             self._pending = dcp.async_save(state, checkpoint_id=str(tmp),
                                            process_group=self._group, **extra)
         except CheckpointException as exc:  # a full disk, a folder that went away
-            raise SetupError(f"cannot write checkpoint {final} "
-                             f"({str(exc).strip().splitlines()[0]}); free space or choose "
-                             "another --checkpoint-dir", everywhere=True) from None
+            raise SetupError(f"cannot write checkpoint {final} {self._failure(exc)}",
+                             everywhere=True) from None
+        self._in_flight = final
         if self.ckpt_dir is not None:
             pending = self._pending
             self.ckpt_dir.in_background(lambda: (pending.result(), commit()))
@@ -134,10 +131,20 @@ class ShardedCheckpoints:
             try:
                 pending.result()
             except (Exception, CheckpointException) as exc:
-                raise SetupError(f"a background checkpoint save failed "
-                                 f"({str(exc).strip().splitlines()[0]}); free space or choose "
-                                 "another --checkpoint-dir", everywhere=True) from None
+                raise SetupError(f"a background checkpoint save failed {self._failure(exc)}",
+                                 everywhere=True) from None
             agree(lambda: self.ckpt_dir.wait(), self.comm_device)
+            self.saved = self._in_flight
+
+    def _failure(self, exc: BaseException) -> str:
+        """Why a save failed and what to do, for the error line."""
+        if isinstance(self.directory, RemotePath):  # the storage client's retries are spent
+            newest = (f"the newest complete checkpoint is {self.saved}" if self.saved
+                      else "no checkpoint of this run is complete yet")
+            return (f"({_why(exc)}); {newest}; run the same command to resume from it once the "
+                    "storage works")
+        return (f"({str(exc).strip().splitlines()[0]}); free space or choose another "
+                "--checkpoint-dir")
 
     def finish(self) -> None:
         """The end of the run: wait for the save in flight, then free the staging copy."""
@@ -145,6 +152,15 @@ class ShardedCheckpoints:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+
+def _why(exc: BaseException) -> str:
+    """The first line of a (possibly nested) DCP failure, with the storage's error code."""
+    inner = getattr(exc, "failures", None)  # CheckpointException: {rank: exception}
+    if inner:
+        exc = next(iter(inner.values()))
+    return storage.reason(exc) if not isinstance(exc, CheckpointException) else (
+        str(exc).strip().splitlines()[0])
 
 
 def _reusable_stager(device: torch.device) -> Any:

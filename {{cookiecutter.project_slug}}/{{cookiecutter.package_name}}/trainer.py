@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import sharded
+from . import sharded, storage
 from .checkpoint import CheckpointDir, Staging, checkpoint_path
 from .comm_hooks import PowerSGD
 from .config import Config
@@ -39,6 +39,7 @@ from .metrics import (
     StepClock,
     StepProfiler,
     Throughput,
+    closing_lines,
     log_step_stats,
 )
 from .optim import Optimization
@@ -89,7 +90,8 @@ class Trainer:
         device, backend = runtime.device, runtime.backend
         self.raw = unwrap(model)  # the user's module: state_dicts without prefixes
         self.comm_device = collective_device(backend, device)  # for our own collectives
-        self.ckpt_dir = CheckpointDir(cfg.checkpoint_dir, cfg.keep_last) if world.is_main else None
+        self.ckpt_dir = (CheckpointDir(cfg.checkpoint_dir, cfg.keep_last, cfg.timeout_s)
+                         if world.is_main else None)
         self.dcp = (sharded.ShardedCheckpoints(self.ckpt_dir, cfg.checkpoint_dir, cfg.async_save,
                                                self.comm_device)
                     if cfg.model_layout == "fsdp" else None)
@@ -133,7 +135,7 @@ class Trainer:
             choice = agree(self._open_and_pick, self.comm_device)
         if choice is None:
             return
-        path = Path(choice)
+        path = storage.location(choice)
         try:
             meta = load_snapshot(path, self.raw, self.optim.optimizer, self.world.world_size,
                                  self.world.rank, self.cfg.batch_size, self.device, self.optim.ema)
@@ -155,6 +157,9 @@ class Trainer:
             meta, self.cfg, self.world.world_size, self.batches.batches_per_epoch(), path,
             say=self.world.is_main)
         self.resumed_from, self._saved_step = str(path), self.step
+        for saver in (self.ckpt_dir, self.dcp):  # what an error names as the newest checkpoint
+            if saver is not None:
+                saver.saved = path
         if self.world.is_main:
             print(f"resumed from {path} (epoch {self.epoch}, batch {self.batch_in_epoch}, step "
                   f"{self.step})", flush=True)
@@ -228,7 +233,8 @@ class Trainer:
     def _prepare_folder(self) -> None:
         """Rank 0, before this run's first save: other runs' checkpoints move aside."""
         if not self._set_aside:
-            moved = self.ckpt_dir.set_aside(Path(self.resumed_from) if self.resumed_from else None)
+            moved = self.ckpt_dir.set_aside(storage.location(self.resumed_from)
+                                            if self.resumed_from else None)
             if moved:
                 print(f"note: moved checkpoints of another run (or later than the one resumed) "
                       f"to {moved}", flush=True)
@@ -293,32 +299,36 @@ class Trainer:
             self._loss_count += 1
             self._samples += self.batches.batch_len(i)
             self.book.batch_done()
-            if not last_in_group:
-                continue
-            if not self.optim.step():  # refused: the weights did not change, nothing counts
-                continue
-            self.step, self.batch_in_epoch = self.step + 1, i + 1
-            log, save = self.book.step_done(self.step, i + 1 == total, self._done())
-            if self._first_step_s is None:
-                self._after_first_step()
-            if log:
-                self._log(epoch)
-            every = self.cfg.eval_every_steps
-            if every and self.step % every == 0 and i + 1 < total:  # epochs end with one anyway
-                self._evaluate(epoch)
-            if self._done():  # --max-steps, a stop agreed at the log step, or an early stop
-                break
-            if save or self.selection.pending_save:
-                self._save_snapshot()
+            # optim.step() is False for a refused step: the weights did not change.
+            if last_in_group and self.optim.step():
+                self.step, self.batch_in_epoch = self.step + 1, i + 1
+                if self._after_step(epoch, last_of_epoch=i + 1 == total):
+                    break
         self.book.end_epoch()
         if self.batch_in_epoch == total:
             self.epoch, self.batch_in_epoch = epoch + 1, 0
             self._evaluate(epoch)
 
+    def _after_step(self, epoch: int, last_of_epoch: bool) -> bool:
+        """Log, evaluate and save where each is due; True when training stops at this step."""
+        log, save = self.book.step_done(self.step, last_of_epoch, self._done())
+        if self._first_step_s is None:
+            self._after_first_step()
+        if log:
+            self._log(epoch)
+        every = self.cfg.eval_every_steps
+        if every and self.step % every == 0 and not last_of_epoch:  # epochs end with one anyway
+            self._evaluate(epoch)
+        if self._done():  # --max-steps, a stop agreed at the log step, or an early stop
+            return True
+        if save or self.selection.pending_save:
+            self._save_snapshot()
+        return False
+
     def _after_first_step(self) -> None:
         self._first_step_s = time.time() - self.started_at
         self.lifeline.resume_hint = ("resume continues from the newest checkpoint in "
-                                     f"{Path(self.cfg.checkpoint_dir).resolve()}")
+                                     f"{storage.shown(self.cfg.checkpoint_dir)}")
         if self.backend == "nccl":  # start-up had longer: training gets --timeout-s
             set_group_timeout(self.cfg.timeout_s)
 
@@ -395,6 +405,51 @@ class Trainer:
 
     def train(self) -> dict[str, Any]:
         """Train until --epochs (or --max-steps), saving as configured; returns the summary."""
+        early = self._before_training()
+        if early is not None:  # --eval-only, or a run that is already complete
+            return early
+        self._start = self._last_log_time = time.perf_counter()
+        self.lifeline.phase = "training"
+        self.profiler.step_done(self.step)
+        try:
+            while not self._done():
+                self._run_epoch(self.epoch)
+                at_epoch_end = self.batch_in_epoch == 0
+                cadence = self.cfg.save_every and self.epoch % self.cfg.save_every == 0
+                if at_epoch_end and (cadence or self.selection.pending_save):
+                    self._save_snapshot()
+            self.lifeline.phase = "finishing"
+            if self.step != self._saved_step:
+                self._save_snapshot()
+            self._finish_saves()
+            if self.stopped_by is not None:
+                return self._stopped()
+            summary = self._summary()
+            path = self.metrics.write_json("summary.json", summary)
+            if self.cfg.step_times and self.world.is_main:
+                Path(self.cfg.step_times).write_text(json.dumps(self.clock.report(self.started_at)))
+        finally:
+            self.metrics.close()
+            self.progress.close()
+            if self.ckpt_dir is not None:
+                self.ckpt_dir.close()
+        if self.world.is_main:
+            print(closing_lines(summary, self.last_loss, storage.shown(self.cfg.checkpoint_dir),
+                                path), flush=True)
+        return summary
+
+    def _stopped(self) -> dict[str, Any]:
+        """A stop signal's end: the checkpoint is saved; the exit code is 128 + the signal."""
+        if self.world.is_main:
+            print(f"stopped by {self.stopped_by} at step {self.step}: checkpoint saved in "
+                  f"{storage.shown(self.cfg.checkpoint_dir)}; run the same command to resume",
+                  flush=True)
+        return {"stopped_by": self.stopped_by, "steps": self.step,
+                "exit_code": 128 + self.stop_signal}
+
+    def _before_training(self) -> dict[str, Any] | None:
+        """Checks that need the model and data, then the metrics; a result when there is nothing
+        to train (--eval-only, a complete run)."""
         wants = [flag for flag, on in (("--eval-only", self.cfg.eval_only),
                                        ("--eval-every-steps", self.cfg.eval_every_steps),
                                        ("--keep-best", self.cfg.keep_best),
@@ -419,53 +474,11 @@ class Trainer:
         with self.lifeline.waiting("rank 0 to start the metrics and tracker",
                                    "check rank 0's output"):
             agree(self._open_metrics, self.comm_device)
-        total = self.optim.total_steps
-        if self.cfg.warmup_steps > total and self.world.is_main:
+        if self.cfg.warmup_steps > self.optim.total_steps and self.world.is_main:
             print(f"warning: --warmup-steps {self.cfg.warmup_steps} is longer than the run "
-                  f"({total} steps): the learning rate never reaches --lr", file=sys.stderr,
-                  flush=True)
-        self._start = self._last_log_time = time.perf_counter()
-        self.lifeline.phase = "training"
-        self.profiler.step_done(self.step)
-        try:
-            while not self._done():
-                self._run_epoch(self.epoch)
-                at_epoch_end = self.batch_in_epoch == 0
-                cadence = self.cfg.save_every and self.epoch % self.cfg.save_every == 0
-                if at_epoch_end and (cadence or self.selection.pending_save):
-                    self._save_snapshot()
-            self.lifeline.phase = "finishing"
-            if self.step != self._saved_step:
-                self._save_snapshot()
-            self._finish_saves()
-            if self.stopped_by is not None:
-                if self.world.is_main:
-                    print(f"stopped by {self.stopped_by} at step {self.step}: checkpoint saved in "
-                          f"{Path(self.cfg.checkpoint_dir).resolve()}; run the same command to "
-                          "resume", flush=True)
-                return {"stopped_by": self.stopped_by, "steps": self.step,
-                        "exit_code": 128 + self.stop_signal}
-            summary = self._summary()
-            path = self.metrics.write_json("summary.json", summary)
-            if self.cfg.step_times and self.world.is_main:
-                Path(self.cfg.step_times).write_text(json.dumps(self.clock.report(self.started_at)))
-        finally:
-            self.metrics.close()
-            self.progress.close()
-            if self.ckpt_dir is not None:
-                self.ckpt_dir.close()
-        if self.world.is_main:
-            loss = "n/a" if self.last_loss is None else f"{self.last_loss:.5f}"
-            tokens = (f"{summary['tokens_per_s']:.0f} tokens/s, " if "tokens_per_s" in summary
-                      else "")
-            if summary.get("mfu") is not None:
-                tokens += f"MFU {100 * summary['mfu']:.1f}%, "
-            print(f"throughput: {summary['samples_per_s']:.0f} samples/s, {tokens}median step "
-                  f"{summary['median_step_ms']} ms, first step {summary['time_to_first_step_s']} s "
-                  f"after start\ndone: {self.step} steps, final loss {loss}\n"
-                  f"checkpoints: {Path(self.cfg.checkpoint_dir).resolve()}\n"
-                  f"summary: {path.resolve()}", flush=True)
-        return summary
+                  f"({self.optim.total_steps} steps): the learning rate never reaches --lr",
+                  file=sys.stderr, flush=True)
+        return None
 
     def _open_metrics(self) -> None:
         """Rank 0: metrics.jsonl, the tracker, config.json; and whether --step-times can be
@@ -510,7 +523,7 @@ class Trainer:
             **self.val_metrics,
             "wall_time_s": round(wall, 3),
             "resumed_from": self.resumed_from,
-            "checkpoint_dir": str(Path(self.cfg.checkpoint_dir)),
+            "checkpoint_dir": str(storage.location(self.cfg.checkpoint_dir)),
             **self.selection.summary(),
             **self.data_notes,
         }

@@ -25,6 +25,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +33,12 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-from .config import Config, setting
 from .data import InMemoryDataset, split_for_validation
 from .failures import SetupError, local_rank_from_env
+from .settings import setting
+
+if TYPE_CHECKING:  # for the type hints only: config.py reads this module's Settings
+    from .config import Config
 
 IMAGE_SIZE = 16
 CHANNELS = 3

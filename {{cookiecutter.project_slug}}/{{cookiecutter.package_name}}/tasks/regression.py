@@ -21,15 +21,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from .config import Config, setting
 from .data import InMemoryDataset, split_for_validation
 from .failures import SetupError
+from .settings import setting
+
+if TYPE_CHECKING:  # for the type hints only: config.py reads this module's Settings
+    from .config import Config
 
 IN_FEATURES = 20
 

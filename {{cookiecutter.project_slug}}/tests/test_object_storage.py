@@ -1,0 +1,284 @@
+"""Checkpoints in object storage (`--checkpoint-dir s3://...`), against a real S3 API server on
+loopback (moto's server mode, tests/s3server.py): lose the machine and resume elsewhere, kills in
+the middle of an upload, preemption, retention, failing uploads, and every start-up error."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import (
+    TRAIN,
+    assert_same_model,
+    child_env,
+    final_model,
+    ok,
+    one_error,
+    run_cmd,
+    torchrun,
+    torchrun_cmd,
+)
+
+pytestmark = [
+    pytest.mark.recovery,
+    pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("s3fs", "moto", "boto3")),
+                       reason="needs s3fs and moto's server: pip install -e '.[dev]'"),
+]
+
+# 8 steps an epoch, 32 in all, a checkpoint every 8 steps.
+FLAGS = ["--dataset-size", "256", "--batch-size", "16", "--epochs", "4", "--hidden-size", "64",
+         "--save-every-steps", "8", "--log-every", "2"]
+LAST_STEP = 32
+PACKAGE = "{{ cookiecutter.package_name }}"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    from s3server import S3Server
+
+    server = S3Server()
+    yield server
+    server.close()
+
+
+def checkpoints(fs, prefix: str) -> list[str]:
+    """Names under `prefix` of the bucket, sorted."""
+    return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"bkt/{prefix}", detail=False)) \
+        if fs.exists(f"bkt/{prefix}") else []
+
+
+def bucket_model(s3, url: str, cwd: Path) -> dict:
+    """The newest checkpoint's model under `url`, exported from the bucket to a local file."""
+    from {{ cookiecutter.package_name }}.checkpoint import load_checkpoint
+
+    newest = max(n for n in checkpoints(s3.fs(), url[9:]) if n.startswith("ckpt_step"))
+    out = cwd / "exported.pt"
+    ok(run_cmd([sys.executable, "-m", f"{PACKAGE}.checkpoint", "export", f"{url}/{newest}",
+                str(out)], cwd, **s3.env()))
+    return load_checkpoint(out)["model"]
+
+
+# Saves in the background here; the kill test below saves in the foreground.
+@pytest.mark.parametrize("layout, extra", [("data_parallel", ["--async-save"]),
+                                           ("fsdp", ["--async-save"])],
+                         ids=["data_parallel-async", "fsdp-async"])
+def test_a_run_whose_machine_is_lost_finishes_on_another_from_the_bucket(
+        tmp_path, example_task, s3, layout, extra):
+    if layout == "fsdp" and importlib.util.find_spec("numpy") is None:
+        pytest.skip("--model-layout fsdp needs numpy")
+    flags = [*FLAGS, "--model-layout", layout, *extra]
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    ok(torchrun([*flags, "--keep-last", "0"], reference))
+    expected = final_model(reference / "checkpoints")
+
+    url = f"s3://bkt/{layout}{''.join(extra)}/run"
+    first, second = tmp_path / "first-machine", tmp_path / "second-machine"
+    first.mkdir()
+    second.mkdir()
+    command = [*flags, "--checkpoint-dir", url, "--keep-last", "2"]
+    outputs = [ok(torchrun([*command, "--max-steps", "24"], first, **s3.env()))]
+    fs = s3.fs()
+    kept = [n for n in checkpoints(fs, url[9:]) if n.startswith("ckpt_step")]
+    assert kept == ["ckpt_step00000016" + ("" if layout == "fsdp" else ".pt"),
+                    "ckpt_step00000024" + ("" if layout == "fsdp" else ".pt")], kept
+    shutil.rmtree(first)  # the machine is gone, and every file it had
+
+    outputs.append(ok(torchrun(command, second, **s3.env())))
+    assert f"resumed from {url}/ckpt_step00000024" in outputs[1].stdout
+    assert_same_model(expected, bucket_model(s3, url, tmp_path))
+
+    # Secrets stay secret: not in any output, file or object the runs left.
+    for secret in (s3.secret, s3.key_id):
+        for result in outputs:
+            assert secret not in result.stdout + result.stderr
+        for path in second.rglob("*"):
+            assert not path.is_file() or secret.encode() not in path.read_bytes(), path
+        for key in fs.find(f"bkt/{url[9:]}"):
+            assert secret.encode() not in fs.cat_file(key), key
+
+
+@pytest.mark.parametrize("layout", ["data_parallel", "fsdp"])
+def test_a_kill_in_the_middle_of_an_upload_leaves_the_previous_checkpoint_newest(
+        tmp_path, example_task, s3, layout, monkeypatch):
+    """The proxy holds the upload that would complete step 16's checkpoint (the file itself, or
+    the folder's meta.json); the whole job is killed while it waits."""
+    from s3server import Proxy
+
+    from {{ cookiecutter.package_name }} import checkpoint
+    from {{ cookiecutter.package_name }}.checkpoint import CheckpointDir, is_complete
+
+    if layout == "fsdp" and importlib.util.find_spec("numpy") is None:
+        pytest.skip("--model-layout fsdp needs numpy")
+    url = f"s3://bkt/killed-{layout}"
+    flags = [*FLAGS, "--model-layout", layout, "--checkpoint-dir", url, "--keep-last", "0"]
+    hold = "ckpt_step00000016" + ("/meta.json" if layout == "fsdp" else ".pt")
+    proxy = Proxy(("127.0.0.1", s3.port), hold_word=hold)
+    job = subprocess.Popen([*torchrun_cmd(2), TRAIN, "--no-progress", *flags], cwd=tmp_path,
+                           env=child_env(**s3.env(proxy.endpoint)), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proxy.held.wait(120), job.communicate(timeout=60)
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate(timeout=60)
+    finally:
+        proxy.close()
+    fs = s3.fs()
+    if layout == "fsdp":  # shards and DCP's .metadata, but not our meta.json
+        assert checkpoints(fs, url[9:]) == ["ckpt_step00000008", "ckpt_step00000016"]
+        assert ".metadata" in checkpoints(fs, f"{url[9:]}/ckpt_step00000016")
+        assert "meta.json" not in checkpoints(fs, f"{url[9:]}/ckpt_step00000016")
+    else:
+        assert checkpoints(fs, url[9:]) == ["ckpt_step00000008.pt"]
+
+    result = ok(torchrun(flags, tmp_path, **s3.env()))
+    assert f"resumed from {url}/ckpt_step00000008" in result.stdout, result.stdout
+    if layout == "fsdp":  # the unfinished folder was skipped, then replaced by a complete one
+        assert "skipping unreadable checkpoint" in result.stderr
+        # An unfinished folder is removed once it is old: made "old" here by STALE_S = 0.
+        fs.rm(f"bkt/{url[9:]}/ckpt_step00000016/meta.json")
+        monkeypatch.setattr(checkpoint, "STALE_S", 0)
+        for key, value in s3.env().items():
+            monkeypatch.setenv(key, value)
+        folder = CheckpointDir(url, 0)
+        folder.open()
+        assert not fs.exists(f"bkt/{url[9:]}/ckpt_step00000016")
+        assert all(is_complete(p) for p in checkpoint.list_checkpoints(url))
+
+
+def test_sigterm_saves_to_the_bucket_before_the_process_leaves(tmp_path, example_task, s3):
+    url = "s3://bkt/preempted"
+    flags = [*FLAGS, "--epochs", "400", "--checkpoint-dir", url, "--save-every-steps", "0",
+             "--save-every", "0", "--output-dir", "out"]
+    job = subprocess.Popen([*torchrun_cmd(2), TRAIN, "--no-progress", *flags], cwd=tmp_path,
+                           env=child_env(**s3.env()), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    while not metrics.is_file() or len(metrics.read_text().splitlines()) < 3:
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.05)
+    os.kill(job.pid, signal.SIGTERM)  # what a spot machine's shutdown sends
+    out, err = job.communicate(timeout=120)
+    assert "stopped by SIGTERM at step" in out, err
+    stopped_at = int(out.split("stopped by SIGTERM at step ")[1].split(":")[0])
+    assert f"checkpoint saved in {url}" in out
+    assert checkpoints(s3.fs(), url[9:]) == [f"ckpt_step{stopped_at:08d}.pt"]
+
+
+def test_an_upload_that_keeps_failing_stops_the_run_naming_the_newest_complete_checkpoint(
+        tmp_path, example_task, s3):
+    from s3server import Proxy
+
+    url = "s3://bkt/failing"
+    proxy = Proxy(("127.0.0.1", s3.port), refuse_word="ckpt_step00000016")
+    try:
+        started = time.monotonic()
+        result = torchrun([*FLAGS, "--checkpoint-dir", url], tmp_path,
+                          **s3.env(proxy.endpoint))
+        took = time.monotonic() - started
+    finally:
+        proxy.close()
+    line = one_error(result)
+    assert "cannot upload checkpoint" in line and "after 3 tries" in line, line
+    assert f"the newest complete checkpoint is {url}/ckpt_step00000008.pt" in line, line
+    assert proxy.refused >= 3 and took < 120
+    assert checkpoints(s3.fs(), url[9:]) == ["ckpt_step00000008.pt"]
+
+
+def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3):
+    from s3server import S3Server, free_port
+
+    def run(url: str, timeout_s: int = 60, **env: str) -> str:
+        started = time.monotonic()
+        result = torchrun([*FLAGS, "--checkpoint-dir", url, "--timeout-s", str(timeout_s)],
+                          tmp_path, timeout=120, **env)
+        line = one_error(result)
+        assert "loss" not in result.stdout, "trained before the error"
+        assert time.monotonic() - started < timeout_s + 15  # start-up, then the probe's wait
+        return line
+
+    assert "no such bucket 'nobucket'" in run("s3://nobucket/run", **s3.env())
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert "cannot reach the endpoint" in run("s3://bkt/run", **s3.env(closed))
+    with socket.socket() as silent:  # a server that takes the connection and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        assert "the storage did not answer within 6 s" in run("s3://bkt/run", timeout_s=12,
+                                                               **s3.env(endpoint))
+    guarded = S3Server(users={"reader": ["s3:GetObject", "s3:ListBucket"]})
+    try:
+        reader = {**guarded.env(), "AWS_ACCESS_KEY_ID": guarded.keys["reader"][0],
+                  "AWS_SECRET_ACCESS_KEY": guarded.keys["reader"][1]}
+        assert "cannot write there (AccessDenied" in run("s3://bkt/run", **reader)
+        wrong = {**reader, "AWS_ACCESS_KEY_ID": "AKIANOSUCHKEY0000000"}
+        assert "the credentials were refused (InvalidAccessKeyId" in run("s3://bkt/run",
+                                                                         **wrong)
+    finally:
+        guarded.close()
+
+
+def test_url_mistakes_are_one_line(tmp_path, example_task):
+    cases = {
+        "s3://key:secret@bkt/run": "credentials do not go in the URL",
+        "s3://bkt/run?token=x": "credentials do not go in the URL",
+        "nosuch://bkt/run": "unknown storage scheme nosuch://",
+        "s3:///run": "no bucket",
+    }
+    for url, expected in cases.items():
+        result = run_cmd([sys.executable, TRAIN, "--checkpoint-dir", url], tmp_path)
+        assert result.returncode == 2 and expected in one_error(result), result.stderr
+        assert "secret" not in result.stderr and "token=x" not in result.stderr
+    missing = ("import runpy, sys; sys.modules['s3fs'] = None; "
+               f"sys.argv = ['train.py', '--checkpoint-dir', 's3://bkt/run']; "
+               f"runpy.run_path({TRAIN!r}, run_name='__main__')")
+    result = run_cmd([sys.executable, "-c", missing], tmp_path)
+    assert 's3:// needs s3fs: pip install s3fs (the project\'s extra: pip install -e ".[s3]")' \
+        in one_error(result)
+
+
+@pytest.mark.network
+def test_a_storage_host_that_vanishes_ends_every_wait_within_the_timeout(tmp_path, example_task,
+                                                                         hosts):
+    """moto's server on test host 1, training on host 0. At start-up the endpoint is an address
+    on the LAN that no host holds: the write probe gives up within its share of --timeout-s.
+    Mid-run host 1 drops off the network after the first checkpoint: the next upload gives up
+    within --timeout-s, naming the checkpoint that is complete, and no process is left."""
+    from hosts import UNUSED_ADDRESS
+    from s3server import S3Server
+
+    server = S3Server(host=hosts[1])
+    try:
+        flags = ["--no-progress", *FLAGS, "--checkpoint-dir", "s3://bkt/vanishing",
+                 "--timeout-s", "20", "--output-dir", str(tmp_path / "out")]
+        cmd = [*torchrun_cmd(2), TRAIN, *flags]
+        started = time.monotonic()
+        result = hosts[0].run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                              env=child_env(**server.env(f"http://{UNUSED_ADDRESS}:5000")))
+        assert "the storage did not answer within 10 s" in one_error(result)
+        assert time.monotonic() - started < 60
+
+        job = hosts[0].popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=child_env(**server.env()))
+        metrics = tmp_path / "out" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not metrics.is_file() or '"step": 10,' not in metrics.read_text():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.05)
+        hosts[1].link("down")  # the storage's host is gone
+        out, err = job.communicate(timeout=120)
+        line = one_error(subprocess.CompletedProcess(cmd, job.returncode, out, err))
+        assert "cannot upload checkpoint s3://bkt/vanishing/ckpt_step00000016.pt" in line, line
+        assert "the newest complete checkpoint is s3://bkt/vanishing/ckpt_step00000008.pt" in line
+        assert hosts[0].pids() == [], "a process was left behind"
+    finally:
+        server.close()
