@@ -101,7 +101,7 @@ class TorchrunEnvironment:
             _check_ranks(rank, local_rank, world_size, "torchrun")
         local_world_size = (_int_var(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env
                             else world_size)
-        # A fixed --rdzv-id repeats across launches; the restart count and the port do not.
+        # A fixed torchrun --rdzv-id repeats across launches; the restart count and the port do not.
         run_id = "-".join(env.get(name, "0") for name in
                           ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT"))
         return World(
@@ -120,7 +120,8 @@ class KubeflowEnvironment:
     """A Kubeflow PyTorchJob pod running `python train.py` itself (no torchrun in the pod).
 
     The operator sets MASTER_ADDR, MASTER_PORT, WORLD_SIZE (pods) and RANK (this pod) but no
-    LOCAL_RANK: each pod is one process. With torchrun in the pod (what k8s/ does), torchrun's own
+    LOCAL_RANK: each pod is one process. With torchrun in the pod
+    {%- if cookiecutter.kubernetes %} (what k8s/ does){% endif %}, torchrun's own
     variables are set and TorchrunEnvironment applies instead.
     """
 

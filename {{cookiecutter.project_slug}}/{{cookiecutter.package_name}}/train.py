@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None, train_fn: TrainFn = train_on) -> int:
     """Parse the flags and train (`train_fn`: what each process runs once its group started)."""
     cfg = parse_args(argv)
     try:
-        # Projects baked with replica groups: their variables need train_ft.py, not train.py.
+        # Projects made with replica groups start them with their own entry point: a plain run
+        # refuses their variables.
         if train_fn is train_on and importlib.util.find_spec(f"{__package__}.fault_tolerance"):
             importlib.import_module(f"{__package__}.fault_tolerance").refuse_plain_run(os.environ)
         world = resolve_world(local_rank_flag=cfg.local_rank)

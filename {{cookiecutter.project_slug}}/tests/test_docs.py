@@ -1,0 +1,401 @@
+"""Docs and comments point at something: every file, section and flag that README.md, docs/*.md
+and the package's comments and docstrings name exists in this project as it was made."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import importlib.util
+import io
+import re
+import tokenize
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch.distributed.launch
+import torch.distributed.run
+from conftest import PROJECT_ROOT
+
+PACKAGE = next(p.parent for p in PROJECT_ROOT.glob("*/trainer.py"))
+MARKDOWN = [PROJECT_ROOT / "README.md", *sorted((PROJECT_ROOT / "docs").glob("*.md"))]
+
+# External tools' own flags that the docs name (each is a real flag of that tool). They count only
+# where a command, or the paragraph around the flag, names the tool. torchrun, the legacy launcher
+# and pytest are not listed: their parsers are asked.
+EXTERNAL_FLAGS = {
+    "sbatch": {"--nodes", "--ntasks-per-node", "--gpus-per-node", "--gpus-per-task",
+               "--cpus-per-task", "--open-mode", "--time", "--signal"},
+    "srun": {"--nodes", "--ntasks-per-node", "--gpus-per-node", "--cpus-per-task"},
+    "docker": {"--platform", "--build-arg", "--rm", "--shm-size"},
+    "kubectl": {"--server-side", "--prefix"},
+    "helm": {"--namespace", "--create-namespace", "--version", "--set"},
+    "aws": {"--bucket", "--lifecycle-configuration"},
+    "tensorboard": {"--logdir"},
+    "mlflow": {"--backend-store-uri"},
+    "lighthouse": {"--min_replicas"},  # the fault-tolerance lighthouse server
+}
+# Commands that take no long flags in the docs, or pass theirs on: named so that a command line
+# starting with them is recognised (a flag after them must then belong to what follows).
+NO_FLAGS = {"python", "python3", "env", "ip", "pip", "podman", "powershell", "cruft", "git"}
+# Words of a paragraph that bring a command's flags into it (besides train.py's, always there).
+NAMED = {
+    "torchrun": r"\btorchrun\b|torch\.distributed\.run",
+    "launch": r"torch\.distributed\.launch|legacy launcher",
+    "doctor": r"\bdoctor\b",
+    "export": r"\bexport\b",
+    "predict.py": r"predict\.py",
+    "plot_metrics.py": r"plot_metrics\.py",
+    "bench_ft.py": r"bench_ft\.py",
+    "pytest": r"\bpytest\b",
+    "sbatch": r"\bSLURM\b|\bsbatch\b|#SBATCH",
+    "srun": r"\bsrun\b",
+    "docker": r"\bdocker\b|\bpodman\b|Dockerfile",
+    "kubectl": r"\bkubectl\b",
+    "helm": r"\bhelm\b",
+    "aws": r"\baws\b",
+    "tensorboard": r"\btensorboard\b",
+    "mlflow": r"\bmlflow\b",
+    "lighthouse": r"\blighthouse",
+}
+# A module's own comments speak of its own command line.
+OWN_COMMAND = {"doctor.py": "doctor", "checkpoint.py": "export", "workarounds.py": "torchrun"}
+# Files a project holds (what a path must start with, or end with, to count as a pointer).
+TOP_DIRS = {"docs", "scripts", "tests", "k8s", "configs", ".github", PACKAGE.name}
+EXTENSIONS = (".py", ".md", ".sh", ".sbatch", ".ps1", ".yaml", ".yml", ".toml", ".txt")
+TOP_FILES = {"Dockerfile", ".dockerignore"}
+FOLDERS = [PROJECT_ROOT, PACKAGE, *(PROJECT_ROOT / name for name in (
+    "scripts", "scripts/slurm", "tests", "docs", "configs", "k8s"))]
+# Words that look like pointers but stand for whatever the reader chooses.
+PLACEHOLDERS = {
+    "run.toml",  # config.py: `--config run.toml`, a config file of the user's own
+    "file.txt",  # README (language_model): `--data file.txt`, the user's own text
+    "--flag", "--name", "--no-name",  # config.py and the tasks: "each field is a --flag"
+}
+
+
+@dataclass
+class Piece:
+    """A stretch of text: `kind` is prose (a paragraph, list item, table row or comment), code (a
+    line of a fenced block, backslashes joined) or python (a fenced block of Python)."""
+
+    source: Path
+    line: int
+    text: str
+    kind: str
+
+    def where(self) -> str:
+        return f"{self.source.relative_to(PROJECT_ROOT)}:{self.line}"
+
+
+def markdown_pieces(path: Path) -> Iterator[Piece]:
+    block: list[str] = []
+    start = 0
+    fence: str | None = None
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        stripped = line.strip()
+        if fence is not None:
+            if stripped.startswith("```"):
+                yield from fenced(path, start, block, fence)
+                fence, block = None, []
+            else:
+                block.append(line)
+            continue
+        new_block = (not stripped or stripped.startswith(("```", "|", "#"))
+                     or re.match(r"(-|\d+\.)\s", stripped))
+        if new_block and block:
+            yield Piece(path, start, "\n".join(block), "prose")
+            block = []
+        if stripped.startswith("```"):
+            fence, start = stripped[3:].strip() or "text", number + 1
+        elif stripped:
+            start = start if block else number
+            block.append(line)
+    if block:
+        yield Piece(path, start, "\n".join(block), "prose")
+
+
+def fenced(path: Path, start: int, lines: list[str], language: str) -> Iterator[Piece]:
+    if language == "python":
+        yield Piece(path, start, "\n".join(lines), "python")
+        return
+    text = "\n".join(lines).replace("\\\n", " ")
+    for offset, line in enumerate(text.splitlines()):
+        yield Piece(path, start + offset, line, "code")
+
+
+def python_pieces(path: Path) -> Iterator[Piece]:
+    """Each run of comment lines and each paragraph of a docstring."""
+    source = path.read_text(encoding="utf-8")
+    comments: list[tuple[int, str]] = []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments.append((token.start[0], token.string.lstrip("#").strip()))
+    run: list[tuple[int, str]] = []
+    for number, text in comments:
+        if run and number != run[-1][0] + 1:
+            yield Piece(path, run[0][0], "\n".join(t for _, t in run), "prose")
+            run = []
+        run.append((number, text))
+    if run:
+        yield Piece(path, run[0][0], "\n".join(t for _, t in run), "prose")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body[0] if node.body else None
+            if (isinstance(body, ast.Expr) and isinstance(body.value, ast.Constant)
+                    and isinstance(body.value.value, str)):
+                line = body.lineno
+                for paragraph in body.value.value.split("\n\n"):
+                    yield Piece(path, line, paragraph, "prose")
+                    line += paragraph.count("\n") + 2
+
+
+def all_pieces() -> list[Piece]:
+    pieces = [p for path in MARKDOWN for p in markdown_pieces(path)]
+    return pieces + [p for path in sorted(PACKAGE.rglob("*.py")) for p in python_pieces(path)]
+
+
+# --- what exists: commands' flags, headings ---------------------------------------------------
+
+def options(parser) -> set[str]:
+    return {s for action in parser._actions for s in action.option_strings}  # argparse's own list
+
+
+def help_flags(main: Callable[[list[str]], object], *argv: str) -> set[str]:
+    """The long flags a command's --help names, asked in this process."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        with contextlib.suppress(SystemExit):
+            main([*argv, "--help"])
+    return set(re.findall(r"--[A-Za-z][\w-]*", out.getvalue()))
+
+
+def script_main(name: str) -> Callable[[list[str]], object]:
+    spec = importlib.util.spec_from_file_location(f"docs_{name}", PROJECT_ROOT / "scripts" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.fixture(scope="module")
+def flags(pytestconfig) -> dict[str, Callable[[str], bool]]:
+    """For each command the docs may name: whether a flag is one of its own."""
+    config = importlib.import_module(f"{PACKAGE.name}.config")
+    doctor = importlib.import_module(f"{PACKAGE.name}.doctor")
+    checkpoint = importlib.import_module(f"{PACKAGE.name}.checkpoint")
+    train = options(config.build_parser(config.task_settings()))
+    doctor_parser = config.build_parser(config.task_settings())
+    doctor.add_plan_flags(doctor_parser)
+    known: dict[str, set[str]] = {
+        "train.py": train,
+        "doctor": options(doctor_parser),
+        "export": help_flags(checkpoint.main, "export"),
+        "torchrun": options(torch.distributed.run.get_args_parser()),
+        "launch": help_flags(torch.distributed.launch.parse_args),  # adds --use-env
+        **EXTERNAL_FLAGS,
+        **{name: set() for name in NO_FLAGS},
+    }
+    if (PROJECT_ROOT / "train_ft.py").exists():
+        known["train_ft.py"] = train  # the same parser: train_ft.py only trains differently
+    for script in ("predict.py", "plot_metrics.py", "bench_ft.py"):
+        if (PROJECT_ROOT / "scripts" / script).exists():
+            known[script] = help_flags(script_main(script))
+
+    def pytest_has(flag: str) -> bool:
+        try:
+            pytestconfig.getoption(flag)
+        except ValueError:
+            return False
+        return True
+
+    checks: dict[str, Callable[[str], bool]] = {name: s.__contains__ for name, s in known.items()}
+    checks["pytest"] = pytest_has
+    return checks
+
+
+def headings(path: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+    return [m.replace("`", "").strip() for m in re.findall(r"^#+\s+(.*)$", text, flags=re.M)]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+# --- what the docs name ---------------------------------------------------------------------
+
+FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+SECTION = re.compile(r"(README(?:\.md)?|[\w./-]+\.md)\)?,?\s+\(?[\"“]([^\"”\n]+)[\"”]")
+WORD = re.compile(r"&&|\|\||[;&|]|[^\s`'\"()\[\],;|&=]+")
+
+
+def named_flags(text: str) -> Iterator[str]:
+    for match in FLAG.finditer(text):
+        after = text[match.end():match.end() + 1]
+        if not match.group().endswith("-") and after not in {"*", "<"}:  # --no-..., --rdzv-*
+            yield match.group()
+
+
+def program(word: str, previous: str) -> str | None:
+    """The command a word of a command line starts, if it starts one."""
+    word = word.strip("\"'").replace("\\", "/")
+    name = word.rsplit("/", 1)[-1]
+    if previous == "-m":  # python -m MODULE, torchrun -m MODULE
+        module = name.removeprefix(f"{PACKAGE.name}.")
+        return {"torch.distributed.run": "torchrun", "torch.distributed.launch": "launch",
+                "doctor": "doctor", "checkpoint": "export"}.get(module, module)
+    if name.endswith((".sh", ".sbatch")):
+        return "train.py"  # the scripts pass their flags on to train.py (train_ft.py)
+    if word == "#SBATCH":
+        return "sbatch"
+    known = name in EXTERNAL_FLAGS or name in NO_FLAGS or name in {"torchrun", "pytest"}
+    return name if known or name.endswith(".py") else None
+
+
+def command_flags(text: str) -> Iterator[tuple[str | None, str]]:
+    """(command, flag) for each flag of a command line; None before any known command."""
+    command: str | None = None
+    previous = ""
+    for word in WORD.findall(text):
+        started = program(word, previous)
+        if started is not None and not word.startswith("-"):
+            command = started
+        elif word in {"&&", "||", "&", "|", ";"}:
+            command = None
+        for flag in named_flags(word):
+            yield command, flag
+        previous = word
+
+
+def is_command(span: str) -> bool:
+    words = [w for w in WORD.findall(span) if not re.match(r"[A-Z_][A-Z0-9_]*=", w)]
+    return bool(words) and program(words[0], "") is not None
+
+
+def path_pointers(text: str) -> Iterator[str]:
+    """Words that name a file of the project (not /abs, ~/x, URLs, globs or <placeholders>)."""
+    for word in re.findall(r"[^\s`'\"()\[\],;|=]+", text):
+        word = word.rstrip(".:").replace("\\", "/")  # scripts\train_windows.ps1
+        # /abs, ~/home, $VAR, URLs and host:port, user@host, globs, <placeholders>, NNNN, ...
+        if (not word or word in PLACEHOLDERS or word[0] in "/~$%"
+                or re.search(r"[:@*<>]|NNNN|\.\.\.", word)):
+            continue
+        word = word.removeprefix("./")
+        top = word.split("/", 1)[0]
+        if word in TOP_FILES or ("/" in word and top in TOP_DIRS) or (
+                "/" not in word and word.endswith(EXTENSIONS)):
+            yield word
+
+
+def file_exists(pointer: str, source: Path) -> bool:
+    if "/" not in pointer and not pointer.startswith("."):  # a bare name: any folder of ours
+        return any((folder / pointer).exists() for folder in FOLDERS)
+    return any((base / pointer).exists() for base in (PROJECT_ROOT, source.parent, PACKAGE))
+
+
+# --- the tests --------------------------------------------------------------------------------
+
+PIECES = all_pieces()
+
+
+def settings_flags(code: str) -> set[str]:
+    """The flags a `class Settings` in a document's Python example declares."""
+    found = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.ClassDef) and node.name == "Settings":
+            for field in node.body:
+                if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name):
+                    name = field.target.id.replace("_", "-")
+                    found.add(f"--{name}")
+                    if ast.unparse(field.annotation) == "bool":  # --name and --no-name
+                        found.add(f"--no-{name}")
+    return found
+
+
+# A document's own example Settings define flags that document may name.
+DOC_SETTINGS = {path: {flag for p in PIECES if p.source == path and p.kind == "python"
+                       for flag in settings_flags(p.text)} for path in MARKDOWN}
+
+
+def command_problems(piece: Piece, line: str,
+                     flags: dict[str, Callable[[str], bool]]) -> Iterator[str]:
+    for command, flag in command_flags(line):
+        if command is None or not flags.get(command, lambda _: False)(flag):
+            yield f"{piece.where()}: {flag} ({command or 'no known command'})"
+
+
+def test_the_docs_are_read():
+    """The reader finds what it should, so that an empty list below means something."""
+    kinds = {p.kind for p in PIECES}
+    assert {"prose", "code"} <= kinds
+    assert any("--epochs" in p.text for p in PIECES if p.source.name == "README.md")
+    assert any(p.source.parent == PACKAGE for p in PIECES)
+
+
+def test_every_named_file_exists():
+    dead = []
+    for piece in PIECES:
+        text = piece.text
+        if piece.kind == "prose":
+            for target in LINK.findall(text):
+                path = target.split("#", 1)[0]
+                if path and "://" not in path and not (piece.source.parent / path).exists():
+                    dead.append(f"{piece.where()}: link to {path}")
+            text = LINK.sub(lambda m: m.group()[:m.group().index("](") + 1], text)
+        for pointer in path_pointers(text):
+            if not file_exists(pointer, piece.source):
+                dead.append(f"{piece.where()}: {pointer}")
+        for module in re.findall(rf"\b{PACKAGE.name}((?:\.\w+)+)", text):
+            name = module.split(".")[1]
+            if not ((PACKAGE / f"{name}.py").exists() or (PACKAGE / name).is_dir()):
+                dead.append(f"{piece.where()}: module {PACKAGE.name}.{name}")
+    assert not dead, "\n".join(dead)
+
+
+def test_every_named_section_exists():
+    dead = []
+    for piece in PIECES:
+        if piece.kind != "prose":
+            continue
+        for target in LINK.findall(piece.text):
+            path, _, anchor = target.partition("#")
+            file = piece.source if not path else piece.source.parent / path
+            if anchor and "://" not in path and file.suffix == ".md" and file.exists():
+                if anchor not in {slug(h) for h in headings(file)}:
+                    dead.append(f"{piece.where()}: {target}")
+        for name, title in SECTION.findall(piece.text.replace("\n", " ")):
+            name = "README.md" if name.startswith("README") else name
+            files = [base / name for base in (PROJECT_ROOT, piece.source.parent)]
+            file = next((f for f in files if f.is_file()), None)
+            found = file is not None and any(
+                h == title or (h.startswith(title) and h[len(title)] in ":(")
+                for h in headings(file))
+            if not found:
+                dead.append(f"{piece.where()}: {name}, \"{title}\"")
+    assert not dead, "\n".join(dead)
+
+
+def test_every_named_flag_exists(flags):
+    dead = []
+    for piece in PIECES:
+        if piece.kind == "code":
+            dead += command_problems(piece, piece.text, flags)
+            continue
+        # A command in backticks is checked as a command line; the other flags as prose.
+        text = piece.text
+        for span in filter(is_command, re.findall(r"`([^`]+)`", text)):
+            text = text.replace(f"`{span}`", " ")
+            dead += command_problems(piece, span, flags)
+        named = [c for c, words in NAMED.items() if re.search(words, piece.text)]
+        own = OWN_COMMAND.get(piece.source.name, "train.py")  # doctor.py speaks of the doctor
+        commands = list(dict.fromkeys(["train.py", own, *named]))
+        for flag in named_flags(text):
+            if flag in PLACEHOLDERS or flag in DOC_SETTINGS.get(piece.source, set()):
+                continue
+            if not any(flags[c](flag) for c in commands if c in flags):
+                dead.append(f"{piece.where()}: {flag} (not a flag of {', '.join(commands)})")
+    assert not dead, "\n".join(dead)
