@@ -173,6 +173,15 @@ def test_sigterm_saves_to_the_bucket_before_the_process_leaves(tmp_path, example
     assert f"checkpoint saved in {url}" in out
     assert checkpoints(s3.fs(), url[9:]) == [f"ckpt_step{stopped_at:08d}.pt"]
 
+    # --resume and scripts/predict.py take a checkpoint's URL too.
+    saved = f"{url}/ckpt_step{stopped_at:08d}.pt"
+    result = ok(run_cmd([sys.executable, TRAIN, "--no-progress", *flags, "--eval-only",
+                         "--resume", saved], tmp_path, **s3.env()))
+    assert f"evaluation of {saved} (step {stopped_at})" in result.stdout
+    predict = [sys.executable, str(Path(TRAIN).parent / "scripts" / "predict.py")]
+    missing = run_cmd([*predict, f"{url}/ckpt_step00000001.pt", "x"], tmp_path, **s3.env())
+    assert f"{url}/ckpt_step00000001.pt: no such file or folder" in one_error(missing)
+
 
 def test_an_upload_that_keeps_failing_stops_the_run_naming_the_newest_complete_checkpoint(
         tmp_path, example_task, s3):
