@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.launch
 import torch.distributed.run
-from conftest import PROJECT_ROOT
+from conftest import PROJECT_ROOT, skip_unless_example_task
 
 PACKAGE = next(p.parent for p in PROJECT_ROOT.glob("*/trainer.py"))
 MARKDOWN = [PROJECT_ROOT / "README.md", *sorted((PROJECT_ROOT / "docs").glob("*.md"))]
@@ -380,6 +380,9 @@ def test_every_named_section_exists():
 
 
 def test_every_named_flag_exists(flags):
+    # The docs show the example task's own flags (--hidden-size, ...): a task of your own
+    # replaces them, and then this check skips (the files and sections are still checked).
+    skip_unless_example_task()
     dead = []
     for piece in PIECES:
         if piece.kind == "code":
