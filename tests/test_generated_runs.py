@@ -139,7 +139,7 @@ def test_the_readme_pytest_runs_the_default_tier(default_project, torch_venv, qu
 def test_the_projects_whole_suite_passes_in_the_venv(default_project, torch_venv,
                                                      quickstart_done):
     result = torch_venv.run([torch_venv.python, "-m", "pytest", "-q", "--full", "-p",
-                             "no:cacheprovider", "-rs"], default_project, timeout=3000)
+                             "no:cacheprovider", "-rs"], default_project, timeout=3600)
     check_ok(result)
     summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary and "error" not in summary
