@@ -764,7 +764,7 @@ def test_dockerfile_structure(bake):
              steps.index(("COPY", "requirements.txt ./")), steps.index(("COPY", ". ."))]
     assert order == sorted(order), steps
     assert [r for r in runs[runs.index(torch_step):] if "pip install" in r][1:] == [
-        "pip install -r requirements.txt", "pip install --no-deps ."]
+        "pip install -r requirements.txt ${EXTRAS}", "pip install --no-deps ."]
     user = [value for kind, value in steps if kind == "USER"]
     last_build_step = max(i for i, kind in enumerate(kinds) if kind in ("RUN", "COPY"))
     assert user and kinds.index("USER") > last_build_step
