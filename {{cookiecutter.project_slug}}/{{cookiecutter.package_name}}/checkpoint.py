@@ -171,6 +171,13 @@ def _lock(handle: Any) -> bool:
         return False
 
 
+def newest_complete(saved: AnyPath | None) -> str:
+    """The newest complete checkpoint, as an error line names it (kept by the run, not asked of
+    the storage, which may be what failed)."""
+    return (f"the newest complete checkpoint is {saved}" if saved is not None
+            else "no checkpoint of this run is complete yet")
+
+
 class CheckpointDir:
     """Rank 0's handle on --checkpoint-dir for one run: lock, set-aside, write, prune."""
 
@@ -271,10 +278,7 @@ class CheckpointDir:
         self.prune()
 
     def newest(self) -> str:
-        """The newest complete checkpoint, as an error line names it (known without asking the
-        storage, which may be what failed)."""
-        return (f"the newest complete checkpoint is {self.saved}" if self.saved is not None
-                else "no checkpoint of this run is complete yet")
+        return newest_complete(self.saved)
 
     # ------------------------------------------------------------------ writing (rank 0)
     def save_file(self, state: dict[str, Any], step: int) -> Path:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import storage
-from .checkpoint import META, CheckpointDir, checkpoint_path
+from .checkpoint import META, CheckpointDir, checkpoint_path, newest_complete
 from .failures import SetupError, agree
 from .storage import AnyPath, RemotePath
 
@@ -139,10 +139,8 @@ class ShardedCheckpoints:
     def _failure(self, exc: BaseException) -> str:
         """Why a save failed and what to do, for the error line."""
         if isinstance(self.directory, RemotePath):  # the storage client's retries are spent
-            newest = (f"the newest complete checkpoint is {self.saved}" if self.saved
-                      else "no checkpoint of this run is complete yet")
-            return (f"({_why(exc)}); {newest}; run the same command to resume from it once the "
-                    "storage works")
+            return (f"({_why(exc)}); {newest_complete(self.saved)}; run the same command to "
+                    "resume from it once the storage works")
         return (f"({str(exc).strip().splitlines()[0]}); free space or choose another "
                 "--checkpoint-dir")
 
