@@ -151,6 +151,21 @@ def test_nprocs_under_a_launcher_is_refused(workdir):
                                                                     workdir))
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--nprocs", "2"], "--nprocs starts processes itself"),
+    (["--epochs", "x"], "--epochs: invalid integer value"),
+])
+def test_an_error_every_rank_finds_is_printed_though_local_rank_0_is_late(workdir, args, says):
+    """On a loaded machine local rank 0 can reach the error seconds after rank 1; rank 1 must
+    not exit first (torchrun would stop rank 0 before its line is out)."""
+    slow = workdir / "slow_rank_0"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('LOCAL_RANK') == '0':\n    time.sleep(4)\n")
+    pythonpath = os.pathsep.join([str(slow), str(PROJECT_ROOT)])
+    assert says in one_error(torchrun([*args, *QUICK], workdir, PYTHONPATH=pythonpath))
+
+
 def test_port_in_use_is_one_error_line(workdir):
     import socket
     with socket.socket() as busy:

@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import math
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any, NoReturn
 
 from . import storage
 from .evaluation import parse_goal
-from .failures import QUIET_EXIT_DELAY_S, leave_for_torchrun, local_rank_from_env
+from .failures import local_rank_from_env, say_once_per_node
 from .settings import setting  # also task.py's: `from .config import setting` works too
 
 if sys.version_info >= (3, 11):
@@ -320,11 +319,7 @@ class Parser(argparse.ArgumentParser):
         self.fail(f"{message} (python train.py --help lists the flags)")
 
     def fail(self, message: str) -> NoReturn:
-        leave_for_torchrun(message)
-        if local_rank_from_env() == 0:
-            sys.stderr.write(f"error: {message}\n")
-        else:  # the rank that prints may be a moment behind: a launcher stops it when we exit
-            time.sleep(QUIET_EXIT_DELAY_S)
+        say_once_per_node(message, local_rank_from_env())
         sys.exit(2)
 
 

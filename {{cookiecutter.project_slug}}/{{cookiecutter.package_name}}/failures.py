@@ -82,18 +82,42 @@ def local_rank_from_env() -> int:
 
 
 QUIET_EXIT_DELAY_S = 1.0
+PRINTER_WAIT_S = 10.0  # under torchrun: how long a silent rank waits for local rank 0's line
 
 
 def report_error(exc: SetupError, local_rank: int | None = None) -> None:
     local_rank = local_rank_from_env() if local_rank is None else local_rank
-    leave_for_torchrun(str(exc))
-    if exc.quiet or (exc.everywhere and local_rank != 0):
-        # The rank that prints may be a moment behind: if this one exited first, torchrun would
-        # stop that rank before its line is out (a failed job that says nothing).
+    if exc.quiet:  # printed by a rank that may be on another node, a moment behind
+        leave_for_torchrun(str(exc))
+        time.sleep(QUIET_EXIT_DELAY_S)
+    elif exc.everywhere:
+        say_once_per_node(str(exc), local_rank)
+    else:
+        _say(str(exc))
+
+
+def say_once_per_node(line: str, local_rank: int) -> None:
+    """Print `error: line` on local rank 0 only. The others wait until it is out: a rank that
+    exited first would have its launcher stop rank 0 before it spoke (a failed job that says
+    nothing). Under torchrun rank 0's error file shows when; elsewhere a pause must do."""
+    if local_rank == 0:
+        _say(line)
+        return
+    leave_for_torchrun(line)
+    own = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    printer = Path(own).parent.parent / "0" / "error.json" if own else None
+    if printer is None or not printer.parent.is_dir():
         time.sleep(QUIET_EXIT_DELAY_S)
         return
-    sys.stderr.write(f"error: {exc}\n")  # one write: lines of several ranks do not interleave
+    deadline = time.monotonic() + PRINTER_WAIT_S
+    while not printer.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(f"error: {line}\n")  # one write: lines of several ranks do not interleave
     sys.stderr.flush()
+    leave_for_torchrun(line)  # after the line: a rank waiting for it takes the file as the sign
 
 
 def leave_for_torchrun(line: str) -> None:

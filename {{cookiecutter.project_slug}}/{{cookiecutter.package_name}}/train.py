@@ -45,6 +45,7 @@ from .distributed import (
 from .environments import World, find_free_port, resolve_world
 from .evaluation import Evaluator
 from .failures import (
+    QUIET_EXIT_DELAY_S,
     LostContact,
     PeerErrors,
     SetupError,
@@ -299,6 +300,8 @@ def _wait_for_workers(processes: list, stop: list[int]) -> int:
             code = processes[index].exitcode
             if code == 0 or (stop and code - 128 in STOP_SIGNALS):  # stopped and saved
                 continue
+            if code == 1:  # it printed its error; the others may be about to print theirs
+                mp_connection.wait(list(waiting), timeout=QUIET_EXIT_DELAY_S * 3)
             for process in processes:
                 if process.is_alive():
                     process.terminate()
