@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -202,11 +203,20 @@ def test_a_second_ctrl_c_exits_at_once(workdir):
 
 def test_a_stop_signal_during_start_up_exits_cleanly(workdir):
     # Rank 0 of a world of 2 whose peer never comes: it waits in the rendezvous.
+    port = find_free_port()
     job = subprocess.Popen([sys.executable, TRAIN, *FLAGS], cwd=workdir, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=child_env(
                                RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                               MASTER_PORT=str(find_free_port())))
-    time.sleep(4)
+                               MASTER_PORT=str(port)))
+    # Its store listening shows it is in the rendezvous (a fixed pause could end while a loaded
+    # machine still imports torch, before any handler is in place).
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and job.poll() is None:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
+    time.sleep(0.5)
     job.send_signal(signal.SIGTERM)
     _, err = job.communicate(timeout=30)
     assert job.returncode == 143, err
