@@ -166,6 +166,20 @@ def test_an_error_every_rank_finds_is_printed_though_local_rank_0_is_late(workdi
     assert says in one_error(torchrun([*args, *QUICK], workdir, PYTHONPATH=pythonpath))
 
 
+def test_a_silent_rank_waits_a_bounded_time_for_a_local_rank_0_that_never_prints(workdir):
+    """Local rank 0 hangs before it reaches the error: rank 1 stops waiting for its line after
+    PRINTER_WAIT_S, and the job ends, with the line in torchrun's closing box."""
+    never = workdir / "rank_0_never_prints"
+    never.mkdir()
+    (never / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('LOCAL_RANK') == '0':\n    time.sleep(600)\n")
+    pythonpath = os.pathsep.join([str(never), str(PROJECT_ROOT)])
+    started = time.monotonic()
+    result = torchrun(["--nprocs", "2", *QUICK], workdir, timeout=120, PYTHONPATH=pythonpath)
+    assert result.returncode != 0 and time.monotonic() - started < 90
+    assert "--nprocs starts processes itself" in result.stderr.split("Root Cause", 1)[1]
+
+
 def test_port_in_use_is_one_error_line(workdir):
     import socket
     with socket.socket() as busy:
