@@ -197,6 +197,14 @@ def test_fsdp_trains_saves_sharded_and_resumes_on_one_and_two_ranks(workdir):
     ok(torchrun([*FSDP, "--epochs", "3", "--checkpoint-dir", "a"], workdir, nproc=1))
     assert summary(workdir / "runs/latest")["resumed_from"].endswith("ckpt_step00000016")
 
+    # A shard cut short (a copy that stopped half-way): one line that names the checkpoint.
+    newest = max((workdir / "a").glob("ckpt_step*"))
+    shard = max(newest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    line = one_error(torchrun([*FSDP, "--epochs", "4", "--checkpoint-dir", "a", "--resume",
+                               str(newest)], workdir, nproc=1))
+    assert f"cannot load checkpoint {newest}" in line and "--resume never" in line, line
+
 
 @needs_numpy
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")

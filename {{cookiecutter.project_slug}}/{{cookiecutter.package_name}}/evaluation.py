@@ -11,7 +11,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from .data import FixedBatches, move_to
 from .ema import EMA
@@ -50,8 +49,7 @@ class Evaluator:
                 value = torch.as_tensor(value).detach().to(self.comm_device, torch.float64)
                 sums[key] = sums[key] + value if key in sums else value
         model.train()
-        if isinstance(model, FSDPModule):
-            model.reshard()  # a no-grad forward leaves the root's weights gathered
+        _reshard(model)
         keys = self.keys
         zero = torch.zeros((), dtype=torch.float64, device=self.comm_device)
         totals = torch.stack([sums.get(k, zero) for k in keys])
@@ -72,8 +70,7 @@ class Evaluator:
         with autocast():
             values = self.task.eval_metrics(model, move_to(next(iter(self.loader)), self.device))
         model.train()
-        if isinstance(model, FSDPModule):
-            model.reshard()
+        _reshard(model)
         averages = {k: 1.0 for k in self._names(values)
                     if k != "count" and not k.endswith("_count")}
         if hasattr(self.task, "finalize_metrics"):
@@ -163,3 +160,10 @@ class ModelSelection:
 
 def _better(value: float, than: float, maximize: bool) -> bool:
     return value > than if maximize else value < than
+
+
+def _reshard(model: nn.Module) -> None:
+    """fully_shard's modules: a no-grad forward leaves the root's weights gathered. Asked by name,
+    not isinstance: importing FSDP costs every run a second of start-up."""
+    if hasattr(model, "reshard"):
+        model.reshard()

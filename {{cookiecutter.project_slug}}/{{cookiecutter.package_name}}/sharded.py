@@ -34,10 +34,6 @@ from .failures import SetupError, agree
 from .storage import AnyPath, RemotePath
 
 
-def is_sharded(model: nn.Module) -> bool:
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())
-
-
 def _fqn_optimizer_state(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     """A plain optimizer state_dict (parameters numbered in model.parameters() order) with
     parameter names instead, the form set_state_dict takes."""
@@ -49,11 +45,7 @@ def _fqn_optimizer_state(model: nn.Module, state: dict[str, Any]) -> dict[str, A
 
 def set_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                    model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
-    """Load a file checkpoint's full (unsharded) state into any layout."""
-    if not is_sharded(model):
-        model.load_state_dict(model_state)
-        optimizer.load_state_dict(optimizer_state)
-        return
+    """Load a file checkpoint's full (unsharded) state into an fsdp model."""
     set_state_dict(model, optimizer, model_state_dict=model_state,
                    optim_state_dict=_fqn_optimizer_state(model, optimizer_state),
                    options=StateDictOptions(full_state_dict=True))
@@ -69,7 +61,10 @@ def load(path: AnyPath, model: nn.Module, optimizer: torch.optim.Optimizer,
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, **(extra or {})}
     if meta["world_size"] == dist.get_world_size():
         state["rng"] = torch.empty(meta["rng_shape"], dtype=torch.uint8)
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as exc:  # a BaseException: made an Exception its callers catch
+        raise RuntimeError(_why(exc)) from exc
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     return state.get("rng")
@@ -154,9 +149,9 @@ class ShardedCheckpoints:
 
 def _why(exc: BaseException) -> str:
     """The first line of a (possibly nested) DCP failure, with the storage's error code."""
-    inner = getattr(exc, "failures", None)  # CheckpointException: {rank: exception}
+    inner = getattr(exc, "failures", None)  # CheckpointException: {rank: (exception, trace)}
     if inner:
-        exc = next(iter(inner.values()))
+        exc = next(iter(inner.values()))[0]
     return storage.reason(exc) if not isinstance(exc, CheckpointException) else (
         str(exc).strip().splitlines()[0])
 

@@ -20,9 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
-from . import sharded, storage
+from . import storage
 from .checkpoint import CheckpointDir, Staging, checkpoint_path
 from .comm_hooks import PowerSGD
 from .config import Config
@@ -92,9 +91,11 @@ class Trainer:
         self.comm_device = collective_device(backend, device)  # for our own collectives
         self.ckpt_dir = (CheckpointDir(cfg.checkpoint_dir, cfg.keep_last, cfg.timeout_s)
                          if world.is_main else None)
-        self.dcp = (sharded.ShardedCheckpoints(self.ckpt_dir, cfg.checkpoint_dir, cfg.async_save,
-                                               self.comm_device)
-                    if cfg.model_layout == "fsdp" else None)
+        self.dcp = None
+        if cfg.model_layout == "fsdp":  # DCP and FSDP: a second of start-up the others skip
+            from . import sharded
+            self.dcp = sharded.ShardedCheckpoints(self.ckpt_dir, cfg.checkpoint_dir,
+                                                  cfg.async_save, self.comm_device)
         self.staging = Staging() if cfg.async_save else None
         self.progress = Progress(cfg.progress and world.is_main)
         self.clock = StepClock(device, cuda_events=bool(cfg.step_times))
@@ -141,7 +142,7 @@ class Trainer:
                                  self.world.rank, self.cfg.batch_size, self.device, self.optim.ema)
         except SetupError:
             raise
-        except (Exception, CheckpointException) as exc:  # its metadata read, but not all loads
+        except Exception as exc:  # its metadata read, but not all loads
             raise SetupError(f"cannot load checkpoint {path} ({type(exc).__name__}: "
                              f"{str(exc).strip().splitlines()[0] if str(exc) else ''}); use "
                              "--resume with an older one, or --resume never",
@@ -527,3 +528,4 @@ class Trainer:
             **self.selection.summary(),
             **self.data_notes,
         }
+
