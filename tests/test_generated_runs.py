@@ -239,13 +239,15 @@ def test_the_task_trains_on_a_csv_file(tmp_path):
 
 
 def test_the_generated_suite_holds_for_a_minimal_task(tmp_path, torch_venv, quickstart_done):
-    """A user's task without the example's settings, data or blocks(): the generated suite passes,
-    the tests that train the example skip and say why, and the user's own task test runs."""
+    """A user's task without the example's settings, data or blocks(): the suite a user runs
+    after editing task.py (`pytest -q`) passes, the tests that train the example skip and say
+    why, and the user's own task test runs. (The `--full` tier's tests of the example task skip
+    the same way: its machinery is the default project's, run in full above.)"""
     project = bake_to(tmp_path)
     (project / "ddp_project/task.py").write_text(MINIMAL_TASK)
     (project / "tests/test_task.py").write_text(MINIMAL_TASK_TEST)
     torch_venv.pip("-e", str(project), cwd=project)
-    result = torch_venv.run([torch_venv.python, "-m", "pytest", "-q", "--full", "-p",
+    result = torch_venv.run([torch_venv.python, "-m", "pytest", "-q", "-p",
                              "no:cacheprovider", "-rsp"], project, timeout=1200)
     check_ok(result)
     assert "PASSED tests/test_task.py::test_the_task_trains_on_a_csv_file" in result.stdout

@@ -138,7 +138,9 @@ def test_a_task_of_dicts_trains_evaluates_and_resumes(custom_project, layout):
     assert evals[-1]["val_accuracy"] > 0.9 and 0 <= evals[-1]["val_errors"] < 0.1
     # 37 validation samples, each counted once on one of the two ranks: a count of 37 exactly.
     assert abs(evals[-1]["val_accuracy"] + evals[-1]["val_errors"] - 1) < 1e-9
-    # Resumed mid-run, every layout ends with the same weights, optimizer groups and schedule.
+    if layout == "model_parallel_2":  # its checkpoints are data_parallel's (test_layouts)
+        return
+    # Resumed mid-run, both layouts end with the same weights, optimizer groups and schedule.
     train("--checkpoint-dir", "b", "--output-dir", "rb", "--max-steps", "17")
     train("--checkpoint-dir", "b", "--output-dir", "rb")
     assert summary(custom_project / "rb")["resumed_from"]

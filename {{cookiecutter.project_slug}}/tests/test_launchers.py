@@ -128,12 +128,6 @@ def test_init_methods_under_spawn(workdir, method):
     assert not leftovers, f"rendezvous files left behind: {leftovers}"
 
 
-def test_file_init_under_torchrun_in_an_output_dir_with_a_space(workdir):
-    ok(torchrun([*QUICK, "--init-method", "file", "--output-dir", "runs/my run"], workdir))
-    assert summary(workdir / "runs/my run")["world_size"] == 2
-    assert not list((workdir / "runs/my run/rendezvous").iterdir()), "store file left behind"
-
-
 def test_stale_store_file_is_refused(workdir):
     stale = write_store_file(workdir / "store", key="of a run that was killed")
     an_hour_ago = time.time() - 3600
@@ -144,11 +138,6 @@ def test_stale_store_file_is_refused(workdir):
     assert time.monotonic() - started < 60
     assert f"error: rendezvous file {stale} is left over from an earlier run" in line
     assert stale.exists(), "the user's file is reported, not deleted behind their back"
-
-
-def test_nprocs_under_a_launcher_is_refused(workdir):
-    assert "--nprocs starts processes itself" in one_error(torchrun(["--nprocs", "2", *QUICK],
-                                                                    workdir))
 
 
 @pytest.mark.parametrize("args, says", [

@@ -22,6 +22,7 @@ from conftest import (
     final_model,
     ok,
     one_error,
+    python_train,
     run_cmd,
     torchrun,
     torchrun_cmd,
@@ -206,16 +207,17 @@ def test_an_upload_that_keeps_failing_stops_the_run_naming_the_newest_complete_c
 def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3):
     from s3server import S3Server, free_port
 
-    def run(url: str, timeout_s: int = 60, **env: str) -> str:
+    def run(url: str, timeout_s: int = 60, launch=python_train, **env: str) -> str:
+        """The probe is rank 0's: one process shows it (one case under torchrun, with 2)."""
         started = time.monotonic()
-        result = torchrun([*FLAGS, "--checkpoint-dir", url, "--timeout-s", str(timeout_s)],
-                          tmp_path, timeout=120, **env)
+        result = launch([*FLAGS, "--checkpoint-dir", url, "--timeout-s", str(timeout_s)],
+                        tmp_path, timeout=120, **env)
         line = one_error(result)
         assert "loss" not in result.stdout, "trained before the error"
         assert time.monotonic() - started < timeout_s + 15  # start-up, then the probe's wait
         return line
 
-    assert "no such bucket 'nobucket'" in run("s3://nobucket/run", **s3.env())
+    assert "no such bucket 'nobucket'" in run("s3://nobucket/run", launch=torchrun, **s3.env())
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     assert "cannot reach the endpoint" in run("s3://bkt/run", **s3.env(closed))
     with socket.socket() as silent:  # a server that takes the connection and never answers

@@ -85,9 +85,10 @@ def reference(tmp_path_factory) -> dict:
     return final_model(workdir / "checkpoints")
 
 
+# Rank 1 killed after the first checkpoints: test_torchrun_restarts_a_killed_worker_and_finishes.
 @pytest.mark.parametrize("kill_after, rank", [
     pytest.param(20, 0, marks=pytest.mark.quick),  # the default tier's real kill and resume
-    (4, 1)], ids=["mid-epoch-rank0", "first-checkpoint-rank1"])
+    ], ids=["mid-epoch-rank0"])
 def test_sigkill_then_resume_is_bit_for_bit(workdir, reference, kill_after, rank):
     job = start_torchrun(workdir)
     wait_for_checkpoint(workdir / "checkpoints", kill_after)
@@ -153,7 +154,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("how", ["SIGTERM-to-torchrun", "SIGUSR1-to-workers", "SIGINT-to-all",
+@pytest.mark.parametrize("how", ["SIGUSR1-to-workers", "SIGINT-to-all",
                                  "SIGTERM-to-torchrun-data-workers",
                                  "SIGUSR1-to-every-process-data-workers"])
 def test_preemption_signal_saves_and_exits_cleanly(workdir, reference, how):
@@ -182,8 +183,9 @@ def test_preemption_signal_saves_and_exits_cleanly(workdir, reference, how):
     # The workers exit with 128 + the signal; torchrun does not pass that through: it exits 1
     # (stopped itself, or its workers exited non-zero).
     assert job.returncode == 1, err
-    ok(torchrun(FLAGS[1:], workdir))
-    assert_same_model(reference, final_model(workdir / "checkpoints"))
+    if how in ("SIGINT-to-all", "SIGUSR1-to-every-process-data-workers"):  # one of each kind
+        ok(torchrun(FLAGS[1:], workdir))
+        assert_same_model(reference, final_model(workdir / "checkpoints"))
 
 
 def test_a_second_ctrl_c_exits_at_once(workdir):

@@ -119,7 +119,7 @@ def test_python_without_srun_inside_an_allocation_is_explained(workdir):
 def test_time_limit_signal_requeues_and_the_requeued_job_resumes(workdir, slurm_bin):
     env = job_env(slurm_bin, nodes=1, tasks_per_node=2, STUB_STATE=str(workdir))
     script = str(PROJECT_ROOT / "scripts/slurm/srun.sbatch")
-    args = sbatch_args(workdir, "--dataset-size", "1024", "--batch-size", "16", "--epochs", "6",
+    args = sbatch_args(workdir, "--dataset-size", "1024", "--batch-size", "16", "--epochs", "4",
                        "--hidden-size",
                        "256", "--num-layers", "3", "--save-every-steps", "8", "--log-every", "1000")
     job = subprocess.Popen(["bash", script, *args], cwd=workdir, env=child_env(**env), text=True,
@@ -137,4 +137,4 @@ def test_time_limit_signal_requeues_and_the_requeued_job_resumes(workdir, slurm_
     result = run_cmd(["bash", script, *args], workdir, **env)
     assert result.returncode == 0, result.stderr
     summary = json.loads((workdir / "runs/summary.json").read_text())
-    assert summary["resumed_from"] and summary["steps"] == 192
+    assert summary["resumed_from"] and summary["steps"] == 128
