@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PYTHON, ROOT, check_ok, run
+from container import why_not as why_no_containers
 
 yaml = pytest.importorskip("yaml", reason="needs pyyaml (requirements-dev.txt)")
 
@@ -877,6 +878,9 @@ def build_args(parser, **given: str) -> dict[str, str]:
     return args
 
 
+@pytest.mark.skipif(why_no_containers() is None,
+                    reason="a container runtime is here: test_container.py builds the image and "
+                    "runs its command for real")
 def test_dockerfile_steps_and_command_run(bake, tmp_path):
     """The image's build, minus what needs root or the network: in a fresh virtual environment
     (standing in for the image's Python), each `pip install` RUN step of the Dockerfile runs as
