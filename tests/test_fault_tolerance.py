@@ -54,7 +54,7 @@ def test_the_slurm_script_runs_a_step_per_group_and_a_killed_one_heals(ft_projec
         cluster.start()
         # Only resource flags on the sbatch line; two groups on this one node of 2 CPUs.
         job = cluster.sbatch(["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
-                              "--cpus-per-task=2", "scripts/slurm/ft.sbatch", "--max-steps", "3000",
+                              "--cpus-per-task=2", "scripts/slurm/ft.sbatch", "--max-steps", "2000",
                               "--dataset-size", "512", "--hidden-size", "16", "--batch-size", "16",
                               "--val-fraction", "0", "--epochs", "100000", "--log-every", "50",
                               "--save-every", "0", "--save-every-steps", "50", "--no-progress"],
@@ -76,11 +76,11 @@ def test_the_slurm_script_runs_a_step_per_group_and_a_killed_one_heals(ft_projec
         assert info["JobState"] == "COMPLETED", f"{out}\n{group1}"
         assert "replica group 1 failed: starting it again" in out, out
         assert re.search(r"healed from a live replica group: .* step \d+", group1), group1
-        assert "done: 3000 steps" in (project / f"slurm-{job}-group0.out").read_text()
+        assert "done: 2000 steps" in (project / f"slurm-{job}-group0.out").read_text()
         assert "Quorum" in (project / f"slurm-{job}-lighthouse.out").read_text()
         weights = [torch.load(max((project / f"checkpoints/group{g}").glob("ckpt_step*.pt")),
                               map_location="cpu", weights_only=True) for g in range(2)]
-        assert weights[0]["step"] == weights[1]["step"] == 3000
+        assert weights[0]["step"] == weights[1]["step"] == 2000
         assert all(torch.equal(weights[0]["model"][k], weights[1]["model"][k])
                    for k in weights[0]["model"])
     finally:

@@ -337,9 +337,10 @@ def test_a_rank_stopped_after_its_peers_error_leaves_quietly_with_data_workers(w
     """One rank's data worker cannot read a sample: that rank prints the line, torchrun stops
     the other one with SIGTERM (its whole process group: its data workers too) while it trains or
     starts its workers. That rank leaves without a traceback (it raced with its workers' deaths:
-    "DataLoader worker exited unexpectedly" in 2 runs of 10: 4 runs catch that 3 times in 5)."""
+    "DataLoader worker exited unexpectedly" in 2 runs of 10; test_recovery's preemption test
+    checks every time that the forkserver and its workers hold the stop signals blocked)."""
     (workdir / "bad_sample.py").write_text(BAD_SAMPLE_TASK)
-    for attempt in range(4):
+    for attempt in range(2):
         result = subprocess.run([*torchrun_cmd(2), str(workdir / "bad_sample.py"), *BASE,
                                  "--num-workers", "2", "--resume", "never"], cwd=workdir,
                                 env=child_env(), capture_output=True, text=True, timeout=120)

@@ -154,6 +154,22 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def read_proc(pid: int, name: str) -> bytes:
+    """/proc/<pid>/<name>, or nothing for a process that just ended."""
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""
+
+
+def blocked_signals(pid: int) -> int:
+    """The process's blocked-signal mask (SigBlk), or -1 for a process that just ended."""
+    for line in read_proc(pid, "status").decode().splitlines():
+        if line.startswith("SigBlk:"):
+            return int(line.split()[1], 16)
+    return -1
+
+
 @pytest.mark.parametrize("how", ["SIGUSR1-to-workers", "SIGINT-to-all",
                                  "SIGTERM-to-torchrun-data-workers",
                                  "SIGUSR1-to-every-process-data-workers"])
@@ -164,6 +180,12 @@ def test_preemption_signal_saves_and_exits_cleanly(workdir, reference, how):
     workers_flags = ["--num-workers", "2"] if how.endswith("data-workers") else []
     job = start_torchrun(workdir, "--log-every", "2", *workers_flags)
     wait_for_checkpoint(workdir / "checkpoints", 12)
+    if workers_flags:  # each rank's forkserver and the workers it forked hold them blocked
+        servers = {pid: blocked_signals(pid) for pid in descendants(job.pid)
+                   if b"multiprocessing.forkserver" in read_proc(pid, "cmdline")}
+        assert len(servers) >= 2, servers
+        stops = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGUSR1 - 1))
+        assert all(mask & stops == stops for mask in servers.values() if mask >= 0), servers
     name = how.split("-")[0]
     if how.startswith("SIGTERM-to-torchrun"):
         os.kill(job.pid, signal.SIGTERM)  # torchrun forwards it to its workers
