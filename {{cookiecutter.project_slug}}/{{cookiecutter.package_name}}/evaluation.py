@@ -164,6 +164,7 @@ def _better(value: float, than: float, maximize: bool) -> bool:
 
 def _reshard(model: nn.Module) -> None:
     """fully_shard's modules: a no-grad forward leaves the root's weights gathered. Asked by name,
-    not isinstance: importing FSDP costs every run a second of start-up."""
+    not isinstance: config imports this module, and FSDP would add a second to every command
+    that never wraps a model in DDP (which imports it anyway): errors, the doctor, export."""
     if hasattr(model, "reshard"):
         model.reshard()

@@ -74,21 +74,16 @@ def load_snapshot(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
     """Load a checkpoint (file or folder, from any layout) into this rank's model, optimizer and
     EMA; returns its metadata. Random states are restored when the world and batch size are the
     same: then the run continues bit for bit."""
+    from . import sharded  # torch.distributed.checkpoint: imported by the runs that resume
     if path.is_dir():
         meta = read_meta(path)
         extra = {"ema": ema.state_dict()} if ema is not None and meta.get("has_ema") else {}
-        from . import sharded  # torch.distributed.checkpoint: imported by the runs that use it
         rng = sharded.load(path, model, optimizer, extra)
         saved_ema = extra.get("ema")
     else:
         state = load_checkpoint(path, map_location="cpu")
         check_same_shapes(model.state_dict(), state["model"], path)
-        if any(type(p).__name__ == "DTensor" for p in model.parameters()):  # fsdp
-            from . import sharded
-            sharded.set_full_state(model, optimizer, state["model"], state["optimizer"])
-        else:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+        sharded.set_full_state(model, optimizer, state["model"], state["optimizer"])
         meta, rng, saved_ema = state, state.get("rng"), state.get("ema")
     if ema is not None and saved_ema:
         ema.load_state_dict(saved_ema)

@@ -34,6 +34,10 @@ from .failures import SetupError, agree
 from .storage import AnyPath, RemotePath
 
 
+def is_sharded(model: nn.Module) -> bool:
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
 def _fqn_optimizer_state(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     """A plain optimizer state_dict (parameters numbered in model.parameters() order) with
     parameter names instead, the form set_state_dict takes."""
@@ -45,7 +49,11 @@ def _fqn_optimizer_state(model: nn.Module, state: dict[str, Any]) -> dict[str, A
 
 def set_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                    model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
-    """Load a file checkpoint's full (unsharded) state into an fsdp model."""
+    """Load a file checkpoint's full (unsharded) state into any layout."""
+    if not is_sharded(model):
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+        return
     set_state_dict(model, optimizer, model_state_dict=model_state,
                    optim_state_dict=_fqn_optimizer_state(model, optimizer_state),
                    options=StateDictOptions(full_state_dict=True))

@@ -92,7 +92,7 @@ class Trainer:
         self.ckpt_dir = (CheckpointDir(cfg.checkpoint_dir, cfg.keep_last, cfg.timeout_s)
                          if world.is_main else None)
         self.dcp = None
-        if cfg.model_layout == "fsdp":  # DCP and FSDP: a second of start-up the others skip
+        if cfg.model_layout == "fsdp":  # torch.distributed.checkpoint: imported where it is used
             from . import sharded
             self.dcp = sharded.ShardedCheckpoints(self.ckpt_dir, cfg.checkpoint_dir,
                                                   cfg.async_save, self.comm_device)
@@ -528,4 +528,3 @@ class Trainer:
             **self.selection.summary(),
             **self.data_notes,
         }
-
