@@ -73,7 +73,7 @@ def image(tmp_path_factory, request):
 
 def test_image_runs_as_the_docs_show(image, tmp_path):
     """`docker run --rm --shm-size=2g -v <volume>:/mnt/shared <image>` trains, as user 1000, and
-    leaves its checkpoints and metrics on the volume; the package is installed."""
+    leaves its checkpoints and metrics on the volume; the package is installed, runtime/ with it."""
     project, tag = image
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -81,7 +81,7 @@ def test_image_runs_as_the_docs_show(image, tmp_path):
     who = podman("run", "--rm", *container.limits(), "--entrypoint", "id", tag, "-u")
     assert who.stdout.strip() == "1000"
     doctor = podman("run", "--rm", *container.limits(), "--workdir", "/", "--entrypoint",
-                    "python", tag, "-c", "import ddp_project.checkpoint")
+                    "python", tag, "-c", "import ddp_project.checkpoint, ddp_project.train")
     assert doctor.returncode == 0
     result = podman("run", "--rm", *container.limits(), "--shm-size=2g", "--volume",
                     f"{shared}:/mnt/shared", tag, timeout=300)

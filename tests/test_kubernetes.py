@@ -664,7 +664,7 @@ def trainjob_pods(project: Path, job: dict, shared: Path, extra: list[str]) -> P
 # variables it came from.
 PROBE = """import dataclasses, json, os, sys
 sys.path.insert(0, os.getcwd())
-from {package}.environments import resolve_world
+from {package}.runtime.environments import resolve_world
 seen = {{k: v for k, v in os.environ.items()
         if k.startswith("PET_") or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}}
 print("probe:", json.dumps({{**dataclasses.asdict(resolve_world()), "env": seen}}), flush=True)
@@ -679,7 +679,7 @@ def test_trainjob_pods_resolve_one_world(bake, tmp_path):
     launched by torchrun, with one store for both."""
     project = bake(kubernetes=True, task="regression")
     job = load_manifests(project)["TrainJob"]
-    package = next(p.parent.name for p in project.glob("*/environments.py"))
+    package = next(p.parent.parent.name for p in project.glob("*/runtime/environments.py"))
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE.format(package=package))
     pods = trainjob_pods(project, job, shared_folder(tmp_path), [])
@@ -929,9 +929,9 @@ def test_dockerfile_steps_and_command_run(bake, tmp_path):
             ran.append(" ".join(cmd))
     assert len(ran) == 3 and f"torch=={torch_version}" in ran[0], ran
 
-    # The project is installed, not only importable from its folder.
+    # The project is installed, not only importable from its folder: its subpackages too.
     package = next(p.parent.name for p in workdir.glob("*/trainer.py"))
-    check_ok(run([str(bin_dir / "python"), "-c", f"import {package}.checkpoint"], tmp_path,
+    check_ok(run([str(bin_dir / "python"), "-c", f"import {package}.checkpoint, {package}.train"], tmp_path,
                  **build_env))
 
     # ENTRYPOINT + CMD, in WORKDIR, as the image's user would run it.

@@ -234,7 +234,7 @@ def test_a_signal_during_start_up_says_why_nothing_was_saved(cluster, tmp_path):
     assert not list(project.glob("checkpoints/ckpt_step*"))
 
 
-WORLD = ("from ddp_project.environments import resolve_world; import os; w = resolve_world(os.environ);"
+WORLD = ("from ddp_project.runtime.environments import resolve_world; import os; w = resolve_world(os.environ);"
          "print(w.launcher, w.rank, w.local_rank, w.world_size, w.local_world_size, w.master_addr)")
 
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from common import finish, make_optimizer
 from ddp_project.config import parse_args
-from ddp_project.environments import World
-from ddp_project.lifeline import Lifeline
+from ddp_project.runtime.environments import World
+from ddp_project.runtime.lifeline import Lifeline
 from ddp_project.task import MLP, synthetic_regression
 from ddp_project.train import train_on
 from torch.nn.parallel import DistributedDataParallel as DDP

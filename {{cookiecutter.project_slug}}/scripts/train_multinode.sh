@@ -29,7 +29,7 @@ NPROC=${NPROC:-$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 
 # address no other node can reach. So: this node's address on the route to the head, and
 # whether the endpoint is this node. (The training processes pick the same interface for gloo
 # and NCCL themselves.)
-read -r IFACE LOCAL_ADDR IS_HOST < <("$PYTHON" -m {{ cookiecutter.package_name }}.network "${ENDPOINT%:*}")
+read -r IFACE LOCAL_ADDR IS_HOST < <("$PYTHON" -m {{ cookiecutter.package_name }}.runtime.network "${ENDPOINT%:*}")
 NETWORK=(--local-addr="$LOCAL_ADDR")
 if [[ "$LOCAL_ADDR" != 127.* && "$LOCAL_ADDR" != "::1" ]]; then
   NETWORK+=(--rdzv-conf="is_host=$IS_HOST")

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from conftest import child_env, ok, torchrun_cmd
 
-from {{ cookiecutter.package_name }}.backstop import MARGIN_S, STOP_GRACE_S
-from {{ cookiecutter.package_name }}.distributed import store_file_problem
-from {{ cookiecutter.package_name }}.environments import find_free_port
+from {{ cookiecutter.package_name }}.runtime.backstop import MARGIN_S, STOP_GRACE_S
+from {{ cookiecutter.package_name }}.runtime.environments import find_free_port
+from {{ cookiecutter.package_name }}.runtime.rendezvous import store_file_problem
 
 pytestmark = [pytest.mark.recovery,
               pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -39,7 +39,7 @@ LONG = ["--no-progress", "--dataset-size", "4096", "--batch-size", "4", "--hidde
 HOOKS = """
 import ctypes, os, sys, time
 from pathlib import Path
-import {{ cookiecutter.package_name }}.distributed as distributed
+import {{ cookiecutter.package_name }}.runtime.rendezvous as rendezvous
 import {{ cookiecutter.package_name }}.trainer as trainer
 from {{ cookiecutter.package_name }}.failures import SetupError
 from {{ cookiecutter.package_name }}.train import main
@@ -66,7 +66,7 @@ if __name__ == "__main__":
     elif hook == "storage-hangs":
         trainer.pick_checkpoint = storage_hangs
     elif hook == "garbage-store-file":
-        distributed.check_store_file = lambda path: None  # let PyTorch meet it
+        rendezvous.check_store_file = lambda path: None  # let PyTorch meet it
     elif hook == "fail-on-request":
         trainer.Trainer._run_batch = fail_on_request
     sys.exit(main(sys.argv[1:]))

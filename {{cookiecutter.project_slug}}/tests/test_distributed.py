@@ -12,23 +12,23 @@ import torch
 from conftest import write_store_file
 
 from {{ cookiecutter.package_name }}.config import parse_args
-from {{ cookiecutter.package_name }}.distributed import (
-    assign_devices,
-    resolve_backend,
-    resolve_rendezvous,
-)
 from {{ cookiecutter.package_name }}.doctor import traps
-from {{ cookiecutter.package_name }}.environments import (
+from {{ cookiecutter.package_name }}.failures import SetupError
+from {{ cookiecutter.package_name }}.runtime.environments import (
     World,
     expand_nodelist,
     expand_tasks_per_node,
     find_free_port,
     resolve_world,
 )
-from {{ cookiecutter.package_name }}.failures import SetupError
-from {{ cookiecutter.package_name }}.nccl import nccl_env, startup_timeout_s
+from {{ cookiecutter.package_name }}.runtime.nccl import nccl_env, startup_timeout_s
+from {{ cookiecutter.package_name }}.runtime.rendezvous import (
+    assign_devices,
+    resolve_backend,
+    resolve_rendezvous,
+)
+from {{ cookiecutter.package_name }}.runtime.workarounds import windows_env
 from {{ cookiecutter.package_name }}.train import run
-from {{ cookiecutter.package_name }}.workarounds import windows_env
 
 TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                 "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "abc"}

@@ -66,8 +66,9 @@ OWN_COMMAND = {"doctor.py": "doctor", "checkpoint.py": "export", "workarounds.py
 TOP_DIRS = {"docs", "scripts", "tests", "k8s", "configs", ".github", PACKAGE.name}
 EXTENSIONS = (".py", ".md", ".sh", ".sbatch", ".ps1", ".yaml", ".yml", ".toml", ".txt")
 TOP_FILES = {"Dockerfile", ".dockerignore"}
-FOLDERS = [PROJECT_ROOT, PACKAGE, *(PROJECT_ROOT / name for name in (
-    "scripts", "scripts/slurm", "tests", "docs", "configs", "k8s"))]
+FOLDERS = [PROJECT_ROOT, *sorted({p.parent for p in PACKAGE.rglob("*.py")}), *(
+    PROJECT_ROOT / name for name in ("scripts", "scripts/slurm", "tests", "docs", "configs",
+                                     "k8s"))]
 # Words that look like pointers but stand for whatever the reader chooses.
 PLACEHOLDERS = {
     "run.toml",  # config.py: `--config run.toml`, a config file of the user's own
@@ -297,6 +298,18 @@ def file_exists(pointer: str, source: Path) -> bool:
     return any((base / pointer).exists() for base in (PROJECT_ROOT, source.parent, PACKAGE))
 
 
+def module_exists(parts: list[str]) -> bool:
+    """pkg.a.b.attr: each folder a package of ours, down to a module (what follows is its own)."""
+    folder = PACKAGE
+    for part in parts:
+        if (folder / f"{part}.py").exists():
+            return True
+        if not (folder / part / "__init__.py").exists():
+            return False
+        folder = folder / part
+    return True
+
+
 # --- the tests --------------------------------------------------------------------------------
 
 PIECES = all_pieces()
@@ -350,9 +363,8 @@ def test_every_named_file_exists():
             if not file_exists(pointer, piece.source):
                 dead.append(f"{piece.where()}: {pointer}")
         for module in re.findall(rf"\b{PACKAGE.name}((?:\.\w+)+)", text):
-            name = module.split(".")[1]
-            if not ((PACKAGE / f"{name}.py").exists() or (PACKAGE / name).is_dir()):
-                dead.append(f"{piece.where()}: module {PACKAGE.name}.{name}")
+            if not module_exists(module.split(".")[1:]):
+                dead.append(f"{piece.where()}: module {PACKAGE.name}{module}")
     assert not dead, "\n".join(dead)
 
 

@@ -28,9 +28,9 @@ from conftest import (
 )
 
 from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints
-from {{ cookiecutter.package_name }}.environments import World, find_free_port
 from {{ cookiecutter.package_name }}.failures import SetupError
 from {{ cookiecutter.package_name }}.fault_tolerance import Replicas
+from {{ cookiecutter.package_name }}.runtime.environments import World, find_free_port
 
 TRAIN = str(PROJECT_ROOT / "train.py")
 TRAIN_FT = str(PROJECT_ROOT / "train_ft.py")

@@ -28,7 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT, parse_args
 from {{ cookiecutter.package_name }}.data import BatchFetcher, validation_batches
-from {{ cookiecutter.package_name }}.environments import World, find_free_port
+from {{ cookiecutter.package_name }}.runtime.environments import World, find_free_port
 from {{ cookiecutter.package_name }}.train import run
 
 pytestmark = pytest.mark.features

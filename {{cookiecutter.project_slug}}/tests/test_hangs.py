@@ -17,7 +17,7 @@ import pytest
 from conftest import TRAIN, child_env
 from hosts import UNUSED_ADDRESS
 
-from {{ cookiecutter.package_name }}.environments import find_free_port
+from {{ cookiecutter.package_name }}.runtime.environments import find_free_port
 
 pytestmark = pytest.mark.launchers
 

@@ -77,7 +77,7 @@ import torch.distributed as dist
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.parallel import parallelize
-from {{ cookiecutter.package_name }}.workarounds import exit_process
+from {{ cookiecutter.package_name }}.runtime.workarounds import exit_process
 
 dist.init_process_group("gloo")
 cfg = parse_args(["--hidden-size", "16", "--model-layout", "fsdp", "--shard-group-size", "2"])

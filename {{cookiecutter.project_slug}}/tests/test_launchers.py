@@ -24,7 +24,7 @@ from conftest import (
     write_store_file,
 )
 
-from {{ cookiecutter.package_name }}.environments import find_free_port
+from {{ cookiecutter.package_name }}.runtime.environments import find_free_port
 
 pytestmark = pytest.mark.launchers
 

@@ -137,7 +137,7 @@ import {{ cookiecutter.package_name }}.task as task
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.data import BatchFetcher
 from {{ cookiecutter.package_name }}.parallel import parallelize
-from {{ cookiecutter.package_name }}.workarounds import exit_process
+from {{ cookiecutter.package_name }}.runtime.workarounds import exit_process
 
 def local(t):
     return t.to_local() if hasattr(t, "to_local") else t

@@ -25,7 +25,7 @@ from conftest import (
     torchrun,
 )
 
-from {{ cookiecutter.package_name }}.network import route_to, socket_interface_env
+from {{ cookiecutter.package_name }}.runtime.network import route_to, socket_interface_env
 
 pytestmark = [pytest.mark.network,
               pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -99,7 +99,7 @@ def wait_for_checkpoint(folder: Path, nodes: list[subprocess.Popen], limit_s: fl
 
 
 def test_the_interface_is_the_one_that_routes_to_the_head(hosts):
-    probe = ("from {{ cookiecutter.package_name }}.network import route_to, socket_interface_env\n"
+    probe = ("from {{ cookiecutter.package_name }}.runtime.network import route_to, socket_interface_env\n"
              f"route = route_to('{hosts[0].address}')\n"
              f"print(socket_interface_env('gloo', route, '{hosts[0].address}', dict())[0])\n"
              "print(socket_interface_env('gloo', route, '', dict(GLOO_SOCKET_IFNAME='x'))[0])")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from {{ cookiecutter.package_name }}.optim import Optimization
 from {{ cookiecutter.package_name }}.train import build_trainer, main
-from {{ cookiecutter.package_name }}.workarounds import exit_process
+from {{ cookiecutter.package_name }}.runtime.workarounds import exit_process
 
 
 def nbytes(tensors):

@@ -32,7 +32,7 @@ from conftest import (
 
 from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
 from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT
-from {{ cookiecutter.package_name }}.environments import find_free_port
+from {{ cookiecutter.package_name }}.runtime.environments import find_free_port
 
 pytestmark = [pytest.mark.recovery,
               pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -274,7 +274,7 @@ def test_mid_epoch_checkpoint_resumes_with_another_world_size(workdir):
 UNEVEN = """
 import sys
 import {{ cookiecutter.package_name }}.train as entry
-from {{ cookiecutter.package_name }}.environments import resolve_world
+from {{ cookiecutter.package_name }}.runtime.environments import resolve_world
 
 # Data whose shards differ in length: rank 1 sees 96 fewer samples (3 fewer batches of 16).
 rank = resolve_world().rank

@@ -28,7 +28,12 @@ import torch
 import torch.distributed as dist
 
 from .config import Parser, _float, _int, build_parser, parse_args, task_settings
-from .distributed import (
+from .failures import SetupError, is_communication_failure
+from .plan import plan
+from .runtime.environments import World, resolve_world
+from .runtime.lifeline import Lifeline
+from .runtime.network import route_to, socket_interface_env
+from .runtime.rendezvous import (
     assign_devices,
     cleanup,
     collective_device,
@@ -36,11 +41,6 @@ from .distributed import (
     resolve_backend,
     resolve_rendezvous,
 )
-from .environments import World, resolve_world
-from .failures import SetupError, is_communication_failure
-from .lifeline import Lifeline
-from .network import route_to, socket_interface_env
-from .plan import plan
 from .train import rendezvous_dir
 
 ENV_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_",

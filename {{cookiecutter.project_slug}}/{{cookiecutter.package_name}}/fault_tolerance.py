@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 
 from .config import Config
-from .distributed import collective_device
-from .environments import World
 from .failures import SetupError
-from .lifeline import Lifeline
-from .network import VARIABLES, route_to
 from .optim import Optimization
+from .runtime.environments import World
+from .runtime.lifeline import Lifeline
+from .runtime.network import VARIABLES, route_to
+from .runtime.rendezvous import collective_device
 from .train import build_trainer
 from .train import main as train_main
 from .trainer import Trainer

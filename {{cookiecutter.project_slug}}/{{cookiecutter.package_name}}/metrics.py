@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .failures import SetupError
-from .trackers import Tracker, open_tracker
+from .runtime.trackers import Tracker, open_tracker
 
 
 class MetricsWriter:

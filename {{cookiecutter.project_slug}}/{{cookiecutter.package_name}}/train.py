@@ -25,7 +25,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import task
-from .comm_hooks import register_comm_hook
 from .config import Config, parse_args
 from .data import (
     ShardedBatchSampler,
@@ -34,15 +33,6 @@ from .data import (
     validation_batches,
     worker_context,
 )
-from .distributed import (
-    assign_devices,
-    cleanup,
-    collective_device,
-    ddp_setup,
-    resolve_backend,
-    resolve_rendezvous,
-)
-from .environments import World, find_free_port, resolve_world
 from .evaluation import Evaluator
 from .failures import (
     QUIET_EXIT_DELAY_S,
@@ -53,13 +43,23 @@ from .failures import (
     keep_torch_messages_in,
     report_error,
 )
-from .lifeline import STOP_SIGNALS, Lifeline
-from .nccl import flight_recorder_hint, nccl_env, startup_timeout_s
-from .network import route_to, socket_interface_env
 from .optim import Optimization
 from .parallel import parallelize
+from .runtime.comm_hooks import register_comm_hook
+from .runtime.environments import World, find_free_port, resolve_world
+from .runtime.lifeline import STOP_SIGNALS, Lifeline
+from .runtime.nccl import flight_recorder_hint, nccl_env, startup_timeout_s
+from .runtime.network import route_to, socket_interface_env
+from .runtime.rendezvous import (
+    assign_devices,
+    cleanup,
+    collective_device,
+    ddp_setup,
+    resolve_backend,
+    resolve_rendezvous,
+)
+from .runtime.workarounds import exit_process, stop_stuck_agent
 from .trainer import Data, Runtime, Trainer
-from .workarounds import exit_process, stop_stuck_agent
 
 STARTED_AT = time.time()  # when this process imported the code: the start of "time to first step"
 # What a process runs once its process group started: train_on, or another function that builds

@@ -23,14 +23,10 @@ from torch import nn
 
 from . import storage
 from .checkpoint import CheckpointDir, Staging, checkpoint_path
-from .comm_hooks import PowerSGD
 from .config import Config
 from .data import ShardedBatchSampler, move_to
-from .distributed import collective_device
-from .environments import World
 from .evaluation import Evaluator, ModelSelection
 from .failures import SetupError, agree
-from .lifeline import Lifeline
 from .metrics import (
     Bookkeeping,
     MetricsWriter,
@@ -51,7 +47,11 @@ from .resume import (
     pick_checkpoint,
     restore_position,
 )
-from .workarounds import set_group_timeout
+from .runtime.comm_hooks import PowerSGD
+from .runtime.environments import World
+from .runtime.lifeline import Lifeline
+from .runtime.rendezvous import collective_device
+from .runtime.workarounds import set_group_timeout
 
 
 @dataclass

@@ -7,8 +7,8 @@ that works is the one whose address the kernel uses to reach MASTER_ADDR: `ip ro
 shows it. `socket_interface_env` picks it when GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are unset;
 a value the user set wins.
 
-`python -m <package>.network HOST` prints `INTERFACE ADDRESS IS_LOCAL` for the multi-node script.
-No torch import here: the script calls it before torchrun starts.
+`python -m <package>.runtime.network HOST` prints `INTERFACE ADDRESS IS_LOCAL` for the multi-node
+script. No torch import here: the script calls it before torchrun starts.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def advertised_address(backend: str, env: Mapping[str, str]) -> str:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m <package>.network HOST", file=sys.stderr)
+        print("usage: python -m <package>.runtime.network HOST", file=sys.stderr)
         return 2
     route = route_to(argv[0])
     if route is None:

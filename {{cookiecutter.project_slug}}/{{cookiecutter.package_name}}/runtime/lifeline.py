@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..failures import terminal_fd
 from .backstop import MARGIN_S, SAME_EVENT_S, Backstop
-from .failures import terminal_fd
 
 STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT] + (
     [signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])

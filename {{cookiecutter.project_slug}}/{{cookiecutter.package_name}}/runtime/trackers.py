@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
-from .failures import SetupError
+from ..failures import SetupError
 
 NOT_SCALARS = ("step", "epoch")
 PROJECT = "{{ cookiecutter.project_slug }}"  # the W&B project and MLflow experiment by default

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from .failures import SetupError
+from ..failures import SetupError
 
 
 @dataclass(frozen=True)

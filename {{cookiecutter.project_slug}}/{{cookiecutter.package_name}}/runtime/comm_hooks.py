@@ -23,8 +23,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .config import Config
-from .failures import SetupError
+from ..config import Config
+from ..failures import SetupError
 
 
 # The hooks' `bucket` is a dist.GradBucket. It is not annotated: DDP compares the annotation with

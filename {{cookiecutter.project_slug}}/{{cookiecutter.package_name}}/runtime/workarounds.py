@@ -128,8 +128,9 @@ def torchrun_quietly(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m <package>.workarounds torchrun ARGS (the SLURM scripts)
+# python -m <package>.runtime.workarounds torchrun ARGS (the SLURM scripts)
+if __name__ == "__main__":
     if sys.argv[1:2] != ["torchrun"]:
-        sys.exit("usage: python -m <package>.workarounds torchrun [torchrun arguments]")
+        sys.exit("usage: python -m <package>.runtime.workarounds torchrun [torchrun arguments]")
     sys.exit(torchrun_quietly(sys.argv[2:]))
 

@@ -23,8 +23,8 @@ try:
 except ImportError:  # Windows
     fcntl = None
 
+from ..failures import SetupError
 from .environments import World
-from .failures import SetupError
 from .lifeline import Lifeline
 from .network import VARIABLES, advertised_address, route_to
 from .workarounds import agent_store, remove_file_store, use_libuv, windows_env
