@@ -3,6 +3,7 @@ parses, and defaults that match the answers."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import tomllib
 
@@ -105,3 +106,64 @@ def test_help_runs_in_a_baked_project(bake):
     result = check_ok(run([PYTHON, "train.py", "--help"], project))
     assert "--stage-devices" in result.stdout and "--local_rank" in result.stdout
     assert "--async-save" in result.stdout and "--config" in result.stdout
+
+
+def _intra_package_imports(module: str, tree: ast.AST, modules: set[str]) -> set[str]:
+    """The package's own modules `module` imports, anywhere in it (lazily or for type checking
+    too: a lazy import is still a circle a reader has to keep in mind)."""
+    found = set()
+    package = module.rsplit(".", 1)[0] if not module.endswith("__init__") else module
+    package = package.removesuffix(".__init__")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [f"{target}.{alias.name}" for alias in node.names] + [target]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name in modules:
+                found.add(name)
+            elif f"{name}.__init__" in modules:
+                found.add(f"{name}.__init__")
+    found.discard(module)
+    return found
+
+
+def test_default_package_stays_within_its_budgets(bake):
+    """Issue 39's budgets: no module over 300 lines, no function over 60, no import circle."""
+    package = bake() / "ddp_project"
+    trees, sizes = {}, {}
+    for path in sorted(package.rglob("*.py")):
+        name = ".".join(("ddp_project",) + path.relative_to(package).with_suffix("").parts)
+        text = path.read_text()
+        sizes[name], trees[name] = len(text.splitlines()), ast.parse(text)
+    assert {n: s for n, s in sizes.items() if s > 300} == {}
+    long_functions = [f"{name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+                      for name, tree in trees.items() for node in ast.walk(tree)
+                      if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                      and node.end_lineno - node.lineno + 1 > 60]
+    assert long_functions == []
+    graph = {name: _intra_package_imports(name, tree, set(trees)) for name, tree in trees.items()}
+
+    def circle_from(start: str) -> list[str] | None:
+        stack = [(start, [start])]
+        seen = set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    return path + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+        return None
+
+    circles = [c for c in map(circle_from, sorted(graph)) if c]
+    assert circles == [], circles[0]
