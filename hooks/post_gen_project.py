@@ -20,8 +20,9 @@ UNUSED = {
     "github_actions": [".github"],
 }
 # Files of fault_tolerance=torchft: deleted with `none`, which then bakes no trace of torchft.
-TORCHFT = ["train_ft.py", "{package}/fault_tolerance.py", "scripts/train_ft.sh", "scripts/bench_ft.py",
-           "scripts/slurm/ft.sbatch", "tests/test_fault_tolerance.py", "docs/fault-tolerance.md"]
+TORCHFT = ["train_ft.py", "train.torchft.py", "{package}/fault_tolerance.py", "scripts/train_ft.sh",
+           "scripts/bench_ft.py", "scripts/slurm/ft.sbatch", "tests/test_fault_tolerance.py",
+           "docs/fault-tolerance.md"]
 
 LAUNCH = {
     "torchrun": "torchrun --standalone --nproc-per-node=2 train.py --epochs 3",
@@ -54,7 +55,10 @@ def main() -> None:
         if not truthy(ANSWERS[answer]):
             for rel in paths:
                 remove(root / rel)
-    if ANSWERS["fault_tolerance"] != "torchft":
+    if ANSWERS["fault_tolerance"] == "torchft":
+        # Its train.py refuses a replica group's variables (train_ft.py starts the groups).
+        (root / "train.torchft.py").replace(root / "train.py")
+    else:
         for rel in TORCHFT:
             remove(root / rel.format(package=ANSWERS["package_name"]))
     print(f"""

@@ -76,11 +76,11 @@ def expected_files(package: str, answers: dict) -> set[str]:
         "test_layouts", "test_mistakes", "test_nccl", "test_network", "test_object_storage", "test_plan",
         "test_recovery", "test_task", "test_tracker", "test_train", "s3server")}
     files |= {f"{package}/{name}.py" for name in (
-        "__init__", "checkpoint", "config", "data", "doctor", "ema", "evaluation", "failures", "metrics", "optim",
-        "parallel", "plan", "resume", "settings", "sharded", "storage", "task", "train", "trainer")}
+        "__init__", "checkpoint", "config", "data", "doctor", "ema", "evaluation", "failures", "main", "metrics",
+        "optim", "parallel", "plan", "resume", "settings", "sharded", "storage", "task", "trainer")}
     files |= {f"{package}/runtime/{name}.py" for name in (
-        "__init__", "backstop", "comm_hooks", "environments", "lifeline", "nccl", "network", "rendezvous", "trackers",
-        "workarounds")}
+        "__init__", "backstop", "comm_hooks", "environments", "launch", "lifeline", "nccl", "network", "rendezvous",
+        "trackers", "workarounds")}
     if answers.get("slurm", True):
         files |= {"scripts/slurm/torchrun.sbatch", "scripts/slurm/srun.sbatch",
                   "tests/test_slurm.py"}

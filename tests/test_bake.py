@@ -98,7 +98,7 @@ def test_names_are_derived_and_free_text_is_quoted_safely(bake):
     meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
     assert meta["description"] == 'Says "hi" and \\ it\'s fine'
     assert meta["authors"] == [{"name": "O'Brien \"Bob\""}]
-    check_ok(run([PYTHON, "-c", "import vision_net_2.train"], project))
+    check_ok(run([PYTHON, "-c", "import vision_net_2.main"], project))
 
 
 def test_help_runs_in_a_baked_project(bake):

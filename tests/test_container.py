@@ -81,7 +81,7 @@ def test_image_runs_as_the_docs_show(image, tmp_path):
     who = podman("run", "--rm", *container.limits(), "--entrypoint", "id", tag, "-u")
     assert who.stdout.strip() == "1000"
     doctor = podman("run", "--rm", *container.limits(), "--workdir", "/", "--entrypoint",
-                    "python", tag, "-c", "import ddp_project.checkpoint, ddp_project.train")
+                    "python", tag, "-c", "import ddp_project.checkpoint, ddp_project.main")
     assert doctor.returncode == 0
     result = podman("run", "--rm", *container.limits(), "--shm-size=2g", "--volume",
                     f"{shared}:/mnt/shared", tag, timeout=300)

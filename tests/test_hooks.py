@@ -50,5 +50,5 @@ def test_good_names_pass(tmp_path):
     result = run([PYTHON, "-m", "cookiecutter", "--no-input", "-o", str(tmp_path), str(ROOT),
                   "project_name=Match Maker", "windows_support=yes", "backend=gloo"], tmp_path, 120)
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "match-maker/match_maker/train.py").is_file()
+    assert (tmp_path / "match-maker/match_maker/main.py").is_file()
     assert (tmp_path / "match-maker/scripts/train_windows.ps1").is_file()

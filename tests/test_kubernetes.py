@@ -931,7 +931,7 @@ def test_dockerfile_steps_and_command_run(bake, tmp_path):
 
     # The project is installed, not only importable from its folder: its subpackages too.
     package = next(p.parent.name for p in workdir.glob("*/trainer.py"))
-    check_ok(run([str(bin_dir / "python"), "-c", f"import {package}.checkpoint, {package}.train"], tmp_path,
+    check_ok(run([str(bin_dir / "python"), "-c", f"import {package}.checkpoint, {package}.main"], tmp_path,
                  **build_env))
 
     # ENTRYPOINT + CMD, in WORKDIR, as the image's user would run it.

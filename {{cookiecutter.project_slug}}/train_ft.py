@@ -5,7 +5,7 @@
 """
 
 from {{ cookiecutter.package_name }}.fault_tolerance import main
-from {{ cookiecutter.package_name }}.train import exit_process
+from {{ cookiecutter.package_name }}.runtime.workarounds import exit_process
 
 if __name__ == "__main__":
     exit_process(main())

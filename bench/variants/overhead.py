@@ -4,7 +4,7 @@ Whole-process runs on a small shared machine vary by 10-20% from run to run, whi
 difference of tens of microseconds. Here both loops run in the same process (world size 1, gloo,
 DDP with its reducer), alternating ours, raw, ours, raw ..., each pair on a fresh model and
 optimizer, so drift hits both alike. Ours is the project's real data, model, optimizer and Trainer
-assembled by its own `train_on` (task.py's loss included), timed by its own `--step-times` report.
+assembled by its own `main.work` (task.py's loss included), timed by its own `--step-times` report.
 Noise only ever adds time, so each run is summarised by its median and by its 10th-percentile step
 (the step nothing else got in the way of). Run under torchrun, one process.
 """
@@ -22,10 +22,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from common import finish, make_optimizer
 from ddp_project.config import parse_args
+from ddp_project.main import work
 from ddp_project.runtime.environments import World
 from ddp_project.runtime.lifeline import Lifeline
 from ddp_project.task import MLP, synthetic_regression
-from ddp_project.train import train_on
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 WARMUP_STEPS = 20  # dropped, as everywhere in the benchmark
@@ -38,7 +38,7 @@ def step_stats(ends: list[float]) -> tuple[float, float]:
 
 
 def ours(argv: list[str], world: World, lifeline: Lifeline, step_times: str) -> tuple[float, float]:
-    train_on(parse_args(argv), world, "gloo", [torch.device("cpu")], lifeline)
+    work(parse_args(argv), world, "gloo", [torch.device("cpu")], lifeline)
     with open(step_times) as f:
         return step_stats(json.load(f)["step_ends"])
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import {{ cookiecutter.package_name }}.runtime.rendezvous as rendezvous
 import {{ cookiecutter.package_name }}.trainer as trainer
 from {{ cookiecutter.package_name }}.failures import SetupError
-from {{ cookiecutter.package_name }}.train import main
+from {{ cookiecutter.package_name }}.main import main
 
 def hold_the_lock(*args):  # a C call that never releases the interpreter lock
     print("stuck", flush=True)

@@ -14,6 +14,7 @@ from conftest import write_store_file
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.doctor import traps
 from {{ cookiecutter.package_name }}.failures import SetupError
+from {{ cookiecutter.package_name }}.main import work
 from {{ cookiecutter.package_name }}.runtime.environments import (
     World,
     expand_nodelist,
@@ -21,6 +22,7 @@ from {{ cookiecutter.package_name }}.runtime.environments import (
     find_free_port,
     resolve_world,
 )
+from {{ cookiecutter.package_name }}.runtime.launch import run
 from {{ cookiecutter.package_name }}.runtime.nccl import nccl_env, startup_timeout_s
 from {{ cookiecutter.package_name }}.runtime.rendezvous import (
     assign_devices,
@@ -28,7 +30,6 @@ from {{ cookiecutter.package_name }}.runtime.rendezvous import (
     resolve_rendezvous,
 )
 from {{ cookiecutter.package_name }}.runtime.workarounds import windows_env
-from {{ cookiecutter.package_name }}.train import run
 
 TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                 "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "abc"}
@@ -248,7 +249,8 @@ def test_windows_path_trains_with_platform_patched(monkeypatch, tmp_path: Path, 
     monkeypatch.chdir(tmp_path)
     cfg = parse_args(["--epochs", "1", "--dataset-size", "64", "--no-progress", "--init-method",
                       "env", "--hidden-size", "8"])
-    summary = run(cfg, World(0, 0, 1, 1, "none", "127.0.0.1", find_free_port(), "win-test"))
+    summary = run(cfg, World(0, 0, 1, 1, "none", "127.0.0.1", find_free_port(), "win-test"),
+                  work)
     assert summary["backend"] == "gloo" and summary["steps"] == 2
     assert os.environ["USE_LIBUV"] == "0"
     assert not list((tmp_path / "runs/latest/rendezvous").iterdir()), "store file not removed"

@@ -28,8 +28,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT, parse_args
 from {{ cookiecutter.package_name }}.data import BatchFetcher, validation_batches
+from {{ cookiecutter.package_name }}.main import work
 from {{ cookiecutter.package_name }}.runtime.environments import World, find_free_port
-from {{ cookiecutter.package_name }}.train import run
+from {{ cookiecutter.package_name }}.runtime.launch import run
 
 pytestmark = pytest.mark.features
 
@@ -50,7 +51,7 @@ def test_grad_accumulation_equals_one_larger_batch(workdir):
 def test_grad_accumulation_exchanges_gradients_once_per_group(tmp_path, monkeypatch,
                                                              example_task):
     """Counts DDP's gradient exchanges through a comm hook, in this process (world size 1)."""
-    import {{ cookiecutter.package_name }}.train as entry
+    import {{ cookiecutter.package_name }}.main as entry
 
     calls = []
     original = entry.parallelize
@@ -70,7 +71,8 @@ def test_grad_accumulation_exchanges_gradients_once_per_group(tmp_path, monkeypa
                           "--dataset-size", "256", "--epochs", "1",
                           "--no-progress", "--grad-accum", str(accum), "--checkpoint-dir",
                           f"c{accum}", "--output-dir", f"r{accum}", "--val-fraction", "0"])
-        done = run(cfg, World(0, 0, 1, 1, "none", "127.0.0.1", find_free_port(), f"a{accum}"))
+        done = run(cfg, World(0, 0, 1, 1, "none", "127.0.0.1", find_free_port(), f"a{accum}"),
+                   work)
         steps[accum] = (len(calls), done["steps"])
     (calls_1, steps_1), (calls_4, steps_4) = steps[1], steps[4]
     assert (steps_1, steps_4) == (32, 8)

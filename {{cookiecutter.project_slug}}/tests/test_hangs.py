@@ -151,7 +151,7 @@ def test_an_unreachable_tcp_address(workdir, hosts):
 HUNG_STORAGE = """
 import sys, time
 import {{ cookiecutter.package_name }}.trainer as trainer
-from {{ cookiecutter.package_name }}.train import main
+from {{ cookiecutter.package_name }}.main import main
 
 def hang(*args):  # rank 0's storage stops answering while it looks for checkpoints
     time.sleep(3600)

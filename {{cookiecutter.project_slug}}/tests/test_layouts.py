@@ -78,7 +78,7 @@ UNSPLITTABLE = """
 import sys
 import torch
 import {{ cookiecutter.package_name }}.task as task
-from {{ cookiecutter.package_name }}.train import main
+from {{ cookiecutter.package_name }}.main import main
 
 original = task.build_model
 

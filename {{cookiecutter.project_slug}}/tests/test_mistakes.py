@@ -35,8 +35,8 @@ from conftest import (
 )
 
 from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
+from {{ cookiecutter.package_name }}.main import main
 from {{ cookiecutter.package_name }}.resume import unreadable
-from {{ cookiecutter.package_name }}.train import main
 
 pytestmark = pytest.mark.full  # the slow tier: pytest --full
 
@@ -190,7 +190,7 @@ os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 """
 NAN_TASK = """
 import sys, math
-import {{ cookiecutter.package_name }}.train as entry
+import {{ cookiecutter.package_name }}.main as entry
 
 original, calls = entry.task.loss_fn, [0]
 
@@ -204,7 +204,7 @@ sys.exit(entry.main(sys.argv[1:]))
 """
 BAD_SAMPLE_TASK = """
 import sys
-import {{ cookiecutter.package_name }}.train as entry
+import {{ cookiecutter.package_name }}.main as entry
 from {{ cookiecutter.package_name }}.failures import SetupError
 
 

@@ -13,8 +13,7 @@ from torch import nn
 
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.doctor import main as doctor
-from {{ cookiecutter.package_name }}.plan import EXACT, saved_bytes, static_memory
-from {{ cookiecutter.package_name }}.train import _size
+from {{ cookiecutter.package_name }}.plan import EXACT, human_size, saved_bytes, static_memory
 
 DOCTOR = [sys.executable, "-m", "{{ cookiecutter.package_name }}.doctor"]
 
@@ -24,8 +23,8 @@ COUNT = """
 import json, sys
 import torch
 import torch.distributed as dist
+import {{ cookiecutter.package_name }}.main as entry
 from {{ cookiecutter.package_name }}.optim import Optimization
-from {{ cookiecutter.package_name }}.train import build_trainer, main
 from {{ cookiecutter.package_name }}.runtime.workarounds import exit_process
 
 
@@ -41,22 +40,16 @@ class Counting(Optimization):
 
     def step(self):
         grads = nbytes(p.grad for p in self.params if p.grad is not None)
-        taken = super().step()
+        super().step()
         state = nbytes(t for s in self.optimizer.state.values() for t in s.values()
                        if torch.is_tensor(t))
         with open(f"count{dist.get_rank()}.json", "w") as f:
             json.dump({"parameters": nbytes(self.model.parameters()), "gradients": grads,
                        "optimizer state": state}, f)
-        return taken
 
 
-def counted(cfg, world, backend, devices, lifeline):  # train.train_on, with Counting
-    trainer = build_trainer(cfg, world, backend, devices, lifeline, optimization=Counting)
-    trainer.resume()
-    return trainer.train()
-
-
-exit_process(main(sys.argv[1:], train_fn=counted))
+entry.Optimization = Counting  # what build_trainer builds the run's optimizer with
+exit_process(entry.main(sys.argv[1:]))
 """
 
 
@@ -88,7 +81,7 @@ def test_a_plan_for_64_processes_runs_on_this_cpu(workdir):
     assert fsdp["parameters"] < hsdp["parameters"] / 4 < whole["parameters"] / 4 / 4
     rows = {line.split("  ")[0]: line for line in result.stdout.splitlines()}
     for part in EXACT:
-        assert f"{_size(whole[part]):>18}{_size(hsdp[part]):>18}" in rows[part]
+        assert f"{human_size(whole[part]):>18}{human_size(hsdp[part]):>18}" in rows[part]
     assert "settings at 64 processes:" in result.stdout
     assert "OK: --model-layout" in result.stdout
 

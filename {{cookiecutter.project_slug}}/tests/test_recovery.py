@@ -273,7 +273,7 @@ def test_mid_epoch_checkpoint_resumes_with_another_world_size(workdir):
 
 UNEVEN = """
 import sys
-import {{ cookiecutter.package_name }}.train as entry
+import {{ cookiecutter.package_name }}.main as entry
 from {{ cookiecutter.package_name }}.runtime.environments import resolve_world
 
 # Data whose shards differ in length: rank 1 sees 96 fewer samples (3 fewer batches of 16).
@@ -345,7 +345,7 @@ PER_SAMPLE = """
 import sys
 import torch
 from torch.utils.data import Dataset
-import {{ cookiecutter.package_name }}.train as entry
+import {{ cookiecutter.package_name }}.main as entry
 
 class Augmented(Dataset):
     # The task's samples one at a time (no __getitems__), with random noise added: what

@@ -23,6 +23,7 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,17 +32,8 @@ from .config import Parser, _float, _int, build_parser, parse_args, task_setting
 from .failures import SetupError, is_communication_failure
 from .plan import plan
 from .runtime.environments import World, resolve_world
-from .runtime.lifeline import Lifeline
-from .runtime.network import route_to, socket_interface_env
-from .runtime.rendezvous import (
-    assign_devices,
-    cleanup,
-    collective_device,
-    ddp_setup,
-    resolve_backend,
-    resolve_rendezvous,
-)
-from .train import rendezvous_dir
+from .runtime.launch import Setup, joined, resolve
+from .runtime.rendezvous import collective_device, resolve_backend
 
 ENV_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_",
                 "TORCHELASTIC_", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_JOB_ID",
@@ -92,12 +84,10 @@ def traps(world: World, cuda_count: int, backend: str) -> list[str]:
     return found
 
 
-def network(world: World, backend: str, master: str) -> list[str]:
-    """This rank's interface to the head node, chosen (and set) as training does, and a warning
-    where a job of several machines runs on a host whose name resolves to loopback."""
-    route = route_to(master) if world.world_size > 1 else None
-    chosen, description = socket_interface_env(backend, route, master, os.environ)
-    os.environ.update(chosen)
+def network(world: World, description: str) -> list[str]:
+    """This rank's interface to the head node (`description`: the set-up's choice, as training
+    makes it), and a warning where a job of several machines runs on a host whose name resolves
+    to loopback."""
     lines = [f"network: {description or 'loopback or default (one machine)'}"]
     hostname = socket.gethostname()
     try:
@@ -166,43 +156,59 @@ def check(argv: list[str] | None = None) -> int:
             parser.fail("--world-size goes with --plan (python -m "
                         f"{__package__}.doctor --plan --world-size N)")
         return plan_run(sys.argv[1:] if argv is None else argv)
+    world, say = describe(cfg)
+    setup = resolve(cfg, world)
+    say(f"backend {setup.backend}, devices {', '.join(map(str, setup.devices))}, visible GPUs "
+        f"{torch.cuda.device_count()}, rendezvous {setup.rdzv}")
+    for line in network(world, setup.network):
+        say(line)
+    speed = meet(cfg, world, setup)
+    say(f"all_reduce bandwidth over {setup.backend}: {speed:.2f} GB/s")
+    say(f"OK: all_reduce and barrier across {world.world_size} process(es) over {setup.backend}")
+    return 0
+
+
+def describe(cfg: argparse.Namespace) -> tuple[World, Callable[[str], None]]:
+    """Print what this process sees (versions, the launcher's variables and the world they give)
+    before that world is checked, then its GPUs and known traps. Returns the world and a way to
+    print more lines with this rank's tag."""
     seen = resolve_world(local_rank_flag=cfg.local_rank, check=False)
     tag = f"[doctor rank {seen.rank}/{seen.world_size}]"
-    print(f"{tag} {versions()}", flush=True)
+
+    def say(line: str) -> None:
+        print(f"{tag} {line}", flush=True)
+
+    say(versions())
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
-    print(f"{tag} environment: {env or 'no launcher variables'}", flush=True)
-    print(f"{tag} resolved: launcher {seen.launcher}, rank {seen.rank}, local rank "
-          f"{seen.local_rank}/{seen.local_world_size}, world {seen.world_size}, master "
-          f"{seen.master_addr}:{seen.master_port}", flush=True)
+    say(f"environment: {env or 'no launcher variables'}")
+    say(f"resolved: launcher {seen.launcher}, rank {seen.rank}, local rank {seen.local_rank}/"
+        f"{seen.local_world_size}, world {seen.world_size}, master {seen.master_addr}:"
+        f"{seen.master_port}")
     resolve_world(local_rank_flag=cfg.local_rank)  # now with the consistency checks
-    world = seen
     cuda_count = torch.cuda.device_count()
     for line in gpus():
-        print(f"{tag} {line}", flush=True)
-    backend = resolve_backend(cfg.backend, cuda_count, dist.is_nccl_available())
-    for trap in traps(world, cuda_count, backend):
-        print(f"{tag} WARNING: {trap}", flush=True)
-    devices = assign_devices(world.local_rank, world.local_world_size, cuda_count,
-                             cfg.model_layout, cfg.stage_devices,
-                             os.environ.get("CUDA_VISIBLE_DEVICES"))
-    rdzv = resolve_rendezvous(cfg.init_method, world, rendezvous_dir(cfg))
-    print(f"{tag} backend {backend}, devices {', '.join(map(str, devices))}, visible GPUs "
-          f"{cuda_count}, rendezvous {rdzv}", flush=True)
-    for line in network(world, backend, rdzv.host or world.master_addr):
-        print(f"{tag} {line}", flush=True)
-    lifeline = Lifeline(world.rank, cfg.timeout_s).start()
-    store = None
+        say(line)
+    for trap in traps(seen, cuda_count, resolve_backend(cfg.backend, cuda_count,
+                                                        dist.is_nccl_available())):
+        say(f"WARNING: {trap}")
+    return seen, say
+
+
+def meet(cfg: argparse.Namespace, world: World, setup: Setup) -> float:
+    """Join the group as training does, then an all_reduce that checks the ranks, a bandwidth
+    measurement and a barrier; returns the bandwidth in GB/s."""
     try:
-        store = ddp_setup(world, backend, rdzv, cfg.timeout_s, devices, lifeline)
-        device = collective_device(backend, devices[0])
-        value = torch.tensor([float(world.rank + 1)], device=device)
-        dist.all_reduce(value)
-        expected = world.world_size * (world.world_size + 1) / 2
-        if value.item() != expected:
-            raise SetupError(f"all_reduce gave {value.item()}, expected {expected}: the ranks "
-                             "disagree on who is who; check that every process got its own RANK")
-        speed = bandwidth_gb_s(device, 64 if device.type == "cuda" else 16)
-        dist.barrier()
+        with joined(cfg, world, setup):
+            device = collective_device(setup.backend, setup.devices[0])
+            value = torch.tensor([float(world.rank + 1)], device=device)
+            dist.all_reduce(value)
+            expected = world.world_size * (world.world_size + 1) / 2
+            if value.item() != expected:
+                raise SetupError(f"all_reduce gave {value.item()}, expected {expected}: the "
+                                 "ranks disagree on who is who; check that every process got its "
+                                 "own RANK")
+            speed = bandwidth_gb_s(device, 64 if device.type == "cuda" else 16)
+            dist.barrier()
     except RuntimeError as exc:
         if not is_communication_failure(exc):
             raise
@@ -212,13 +218,7 @@ def check(argv: list[str] | None = None) -> int:
             f"WORLD_SIZE={world.world_size} processes were started, that {world.master_addr}:"
             f"{world.master_port} is reachable from every node (firewall, MASTER_ADDR set to a "
             "name others can resolve), and that no other job uses that port") from None
-    finally:
-        lifeline.close()
-        cleanup(store, rdzv)
-    print(f"{tag} all_reduce bandwidth over {backend}: {speed:.2f} GB/s", flush=True)
-    print(f"{tag} OK: all_reduce and barrier across {world.world_size} process(es) over "
-          f"{backend}", flush=True)
-    return 0
+    return speed
 
 
 def main(argv: list[str] | None = None) -> int:

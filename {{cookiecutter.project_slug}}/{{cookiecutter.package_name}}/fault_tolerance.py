@@ -35,16 +35,18 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from .config import Config
-from .failures import SetupError
+from . import main as entry
+from . import task
+from .config import Config, parse_args
+from .data import ShardedBatchSampler
+from .failures import SetupError, report_error
 from .optim import Optimization
 from .runtime.environments import World
+from .runtime.launch import start
 from .runtime.lifeline import Lifeline
 from .runtime.network import VARIABLES, route_to
 from .runtime.rendezvous import collective_device
-from .train import build_trainer
-from .train import main as train_main
-from .trainer import Trainer
+from .trainer import Runtime, Trainer
 
 INSTALL = 'pip install -e ".[ft]"'
 START_IT = "start it (scripts/train_ft.sh lighthouse) or fix TORCHFT_LIGHTHOUSE"
@@ -343,9 +345,38 @@ class Healing:
                   f"{t.batch_in_epoch}, step {t.step}", flush=True)
 
 
-def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device],
-             lifeline: Lifeline) -> dict:
-    """train.train_on for one replica group: the same Trainer, with torchft's step."""
+class FaultTolerantTrainer(Trainer):
+    """The Trainer of a replica group: a step that torchft did not commit is not counted."""
+
+    def _optimizer_step(self) -> bool:
+        return self.optim.step()
+
+
+def build_replica_trainer(cfg: Config, world: World, backend: str, devices: list[torch.device],
+                          lifeline: Lifeline, manager: Any,
+                          replicas: Replicas) -> FaultTolerantTrainer:
+    """main.build_trainer for one replica group: the groups split the data, then their ranks, and
+    the optimizer steps through torchft's Manager."""
+    entry.prepare(cfg)
+    train_set, val_set = entry.load_datasets(cfg)
+    batches = ShardedBatchSampler(len(train_set), *replicas.share(world), cfg.batch_size,
+                                  cfg.seed)
+    data = entry.loaders(cfg, world, train_set, val_set, batches, devices[0],
+                         collective_device(backend, devices[0]))
+    model, comm_hook = entry.build_parallel_model(cfg, world, devices)
+    optim = FaultTolerantOptimization(manager, replicas.lighthouse, world.is_main, model, cfg,
+                                      devices[0], entry.total_steps(cfg, data),
+                                      autocast=entry.uses_autocast(cfg, devices[0]),
+                                      configure=getattr(task, "configure_optimizer", None))
+    trainer = FaultTolerantTrainer(cfg, world, task, model, optim, data,
+                                   Runtime(devices[0], backend, lifeline, entry.STARTED_AT,
+                                           comm_hook, len(set(devices))))
+    entry.seed_everything(cfg.seed + world.rank)  # different random streams per rank from here on
+    return trainer
+
+
+def refuse_unsupported(cfg: Config) -> None:
+    """The settings a replica group cannot train with (yet)."""
     if cfg.model_layout != "data_parallel":
         raise SetupError(f"train_ft.py needs --model-layout data_parallel (torchft averages whole "
                          f"gradients across the replica groups), not {cfg.model_layout}",
@@ -357,6 +388,12 @@ def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device
         raise SetupError("train_ft.py does not take --comm-hook powersgd: its state (each rank's "
                          "error feedback) is not copied when a replica group heals, so the groups "
                          "would drift apart; use --comm-hook none, bf16 or fp16", everywhere=True)
+
+
+def work_in_group(cfg: Config, world: World, backend: str, devices: list[torch.device],
+                  lifeline: Lifeline) -> dict:
+    """main.work for one replica group: the same loop, with torchft's step."""
+    refuse_unsupported(cfg)
     replicas = Replicas.from_env(os.environ)
     quiet_torchft(Path(cfg.output_dir) / f"torchft-rank{world.rank}.log")
     if world.is_main:
@@ -367,12 +404,8 @@ def train_on(cfg: Config, world: World, backend: str, devices: list[torch.device
         manager, _store = start_manager(replicas, world, backend,
                                         collective_device(backend, devices[0]), cfg.timeout_s)
     try:
-        def optimization(*args: Any, **kwargs: Any) -> FaultTolerantOptimization:
-            return FaultTolerantOptimization(manager, replicas.lighthouse, world.is_main, *args,
-                                             **kwargs)
-
-        trainer = build_trainer(cfg, world, backend, devices, lifeline,
-                                share=replicas.share(world), optimization=optimization)
+        trainer = build_replica_trainer(cfg, world, backend, devices, lifeline, manager,
+                                        replicas)
         healing = Healing(trainer)
         manager.register_state_dict_fn("trainer", healing.load_state_dict, healing.state_dict)
         trainer.resume()  # this group's own newest checkpoint, with the Manager's step
@@ -407,5 +440,17 @@ def _first_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """train.main, with each process running `train_on` above."""
-    return train_main(argv, train_fn=train_on)
+    """train_ft.py: main.main, with each process running `work_in_group` above."""
+    return start(parse_args(argv), work_in_group)
+
+
+def plain_main(argv: list[str] | None = None) -> int:
+    """train.py in a project with replica groups: main.main, refusing a replica group's
+    variables (train_ft.py starts the groups)."""
+    cfg = parse_args(argv)
+    try:
+        refuse_plain_run(os.environ)
+    except SetupError as exc:
+        report_error(exc)
+        return 1
+    return start(cfg, entry.work)

@@ -78,9 +78,8 @@ class Optimization:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def step(self) -> bool:
-        """One optimizer step; True when it was taken (a subclass may refuse one: then the
-        trainer does not count it)."""
+    def step(self) -> None:
+        """One optimizer step: clip, step, the schedule, the EMA."""
         if self.cfg.clip_grad > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_grad)
@@ -90,7 +89,6 @@ class Optimization:
         self.scheduler.step()
         if self.ema is not None:
             self.ema.update()
-        return True
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -104,3 +102,23 @@ class Optimization:
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+def optimizer_state(model: nn.Module, cfg: Config,
+                    configure: Callable | None) -> tuple[str, dict[int, list] | None]:
+    """(name, parameter id -> its state tensors) of the run's optimizer stepped on the meta device
+    (None: it cannot step there), for doctor --plan."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    name = "task.configure_optimizer's"
+    try:  # Optimization's AdamW (fused on CUDA: the same state, `step` on the GPU)
+        made = configure(model, cfg) if configure else torch.optim.AdamW(
+            trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        optimizer = made[0] if isinstance(made, tuple) else made
+        name = type(optimizer).__name__
+        for p in trainable:
+            p.grad = torch.empty_like(p)
+        optimizer.step()
+    except Exception:
+        return name, None
+    return name, {id(p): [t for t in optimizer.state[p].values() if torch.is_tensor(t)]
+                  for p in trainable if p in optimizer.state}

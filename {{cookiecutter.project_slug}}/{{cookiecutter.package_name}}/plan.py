@@ -18,9 +18,8 @@ from . import task
 from .config import Config
 from .data import BatchFetcher, ShardedBatchSampler
 from .failures import SetupError
-from .optim import AMP_DTYPES
+from .optim import AMP_DTYPES, optimizer_state
 from .parallel import model_blocks, rows_on_rank, second_stage, shard_group_size
-from .train import _size
 
 RESERVE_GB = 2.0  # per GPU: the CUDA context, NCCL's buffers, the caching allocator's slack
 LAYOUTS = ("data_parallel", "fsdp", "model_parallel_2")
@@ -29,23 +28,12 @@ ROWS = (*EXACT, "EMA weights", "DDP gradient copies", "buffers", "activations (e
         "fsdp gathered")
 
 
-def optimizer_state(model: nn.Module, cfg: Config) -> tuple[str, dict[int, list] | None]:
-    """(name, parameter id -> its state tensors) of the run's optimizer stepped on the meta device
-    (None: it cannot step there)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    configure, name = getattr(task, "configure_optimizer", None), "task.configure_optimizer's"
-    try:  # optim.Optimization's AdamW (fused on CUDA: the same state, `step` on the GPU)
-        made = configure(model, cfg) if configure else torch.optim.AdamW(
-            trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        optimizer = made[0] if isinstance(made, tuple) else made
-        name = type(optimizer).__name__
-        for p in trainable:
-            p.grad = torch.empty_like(p)
-        optimizer.step()
-    except Exception:
-        return name, None
-    return name, {id(p): [t for t in optimizer.state[p].values() if torch.is_tensor(t)]
-                  for p in trainable if p in optimizer.state}
+def human_size(n_bytes: float) -> str:
+    """Bytes as people read them: 1234567 -> "1.23 MB" (units of 1000)."""
+    units = ["bytes", "KB", "MB", "GB", "TB"]
+    while n_bytes >= 1000 and len(units) > 1:
+        n_bytes, units = n_bytes / 1000, units[1:]
+    return f"{n_bytes:.3g} {units[0]}"
 
 
 def static_memory(cfg: Config, layout: str, world: int,
@@ -64,7 +52,7 @@ def static_memory(cfg: Config, layout: str, world: int,
     second = second_stage(model, blocks) if layout == "model_parallel_2" else set()
     owner = {id(t): int(m in second) for m in model.modules()
              for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
-    name, state = optimizer_state(model, cfg)
+    name, state = optimizer_state(model, cfg, getattr(task, "configure_optimizer", None))
     out = [dict.fromkeys(ROWS[:-2], 0) for _ in range(2 if second else 1)]
     # DDP's buckets hold a second copy of the gradients unless they are its views, and PowerSGD's
     # error feedback one more (comm_hooks.py).
@@ -216,9 +204,9 @@ def settings(cfg: Config, world: int, samples: int | None, source: str, model: n
     rows = [p.shape[0] if p.dim() else 1 for p in params]
     # torch.chunk gives fewer pieces than ranks where ceil(n / ceil(n / shards)) < shards.
     empty = sum(n > 0 and math.ceil(n / math.ceil(n / shards)) < shards for n in rows)
-    notes += [f"fsdp: padding each parameter to ceil(rows / {shards}) rows costs {_size(waste)} "
-              f"per {shards} ranks, in parameters and as much in gradients; {empty} of "
-              f"{len(rows)} parameters leave some ranks an empty shard"] if waste else []
+    notes += [f"fsdp: padding each parameter to ceil(rows / {shards}) rows costs "
+              f"{human_size(waste)} per {shards} ranks, in parameters and as much in gradients; "
+              f"{empty} of {len(rows)} parameters leave some ranks an empty shard"] if waste else []
     return notes, problems
 
 
@@ -231,12 +219,12 @@ def table(cfg: Config, columns: list[tuple[str, str, dict]], gpu_gb: float) -> d
     for row in ROWS:
         if any(figures.get(row, 0) != 0 for _, _, figures in columns):
             cells = [figures.get(row, 0) for _, _, figures in columns]
-            line(row, ["n/a" if v is None else _size(v) if v else "" for v in cells])
+            line(row, ["n/a" if v is None else human_size(v) if v else "" for v in cells])
     totals = [sum(v or 0 for v in figures.values()) for _, _, figures in columns]
-    line("total", [_size(total) for total in totals])
+    line("total", [human_size(total) for total in totals])
     spare = [(gpu_gb - RESERVE_GB) * 1e9 - total for total in totals]
-    line("spare (% of the GPU)", [f"{'-' * (x < 0)}{_size(abs(x))} ({x / 1e9 / gpu_gb:.0%})"
-                                  for x in spare])
+    line("spare (% of the GPU)", [f"{'-' * (x < 0)}{human_size(abs(x))} "
+                                  f"({x / 1e9 / gpu_gb:.0%})" for x in spare])
     line("verdict", ["fits" if x >= 0 else "DOES NOT FIT" for x in spare])
     return {layout: all(x >= 0 for (name, _, _), x in zip(columns, spare, strict=True)
                         if name == layout) for layout in LAYOUTS}

@@ -1,0 +1,254 @@
+"""How a process joins its run and leaves it: the one set-up that training, the doctor and every
+other entry point share (`joined`), and the processes `--nprocs N` starts when no launcher did
+(`start`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..config import Config
+from ..data import worker_context
+from ..failures import (
+    QUIET_EXIT_DELAY_S,
+    LostContact,
+    PeerErrors,
+    SetupError,
+    is_communication_failure,
+    keep_torch_messages_in,
+    report_error,
+)
+from .environments import World, find_free_port, resolve_world
+from .lifeline import STOP_SIGNALS, Lifeline
+from .nccl import flight_recorder_hint, nccl_env, startup_timeout_s
+from .network import Route, route_to, socket_interface_env
+from .rendezvous import (
+    Rendezvous,
+    assign_devices,
+    cleanup,
+    ddp_setup,
+    resolve_backend,
+    resolve_rendezvous,
+)
+from .workarounds import exit_process, stop_stuck_agent
+
+# What each process runs once it joined its group (main.work trains): the flags, the world, the
+# backend, this process's devices and its lifeline in; the run's summary out.
+Work = Callable[[Config, World, str, list[torch.device], Lifeline], dict]
+
+
+def rendezvous_dir(cfg: Config) -> Path:
+    """Where `--init-method file` keeps its store file: under the output dir, which multi-node
+    runs share."""
+    return Path(cfg.output_dir) / "rendezvous"
+
+
+def launcher_pid(world: World) -> int:
+    """The process whose end ends this one: torchrun's agent, the mp.spawn parent, srun's step
+    daemon. 0 for a process started by hand (`nohup python train.py` may outlive its shell)."""
+    managed = world.launcher in ("spawn", "slurm") or "TORCHELASTIC_RUN_ID" in os.environ
+    return os.getppid() if managed else 0
+
+
+@dataclass
+class Setup:
+    """What a process works out before it joins its group, and (while joined) its lifeline and
+    the job's key-value store."""
+
+    backend: str
+    devices: list[torch.device]
+    rdzv: Rendezvous
+    route: Route | None  # to the head node; None in a world of one
+    network: str  # the interface the group uses, and why ("" when nothing needed choosing)
+    lifeline: Lifeline | None = None
+    store: Any = None
+
+
+def resolve(cfg: Config, world: World) -> Setup:
+    """Backend, devices and rendezvous from the flags, and the variables the process group reads
+    when it starts (NCCL's settings, the network interface) set; no process group yet."""
+    cuda_count = torch.cuda.device_count()
+    backend = resolve_backend(cfg.backend, cuda_count, dist.is_nccl_available())
+    devices = assign_devices(world.local_rank, world.local_world_size, cuda_count,
+                             cfg.model_layout, cfg.stage_devices,
+                             os.environ.get("CUDA_VISIBLE_DEVICES"))
+    rdzv = resolve_rendezvous(cfg.init_method, world, rendezvous_dir(cfg))
+    if backend == "nccl":
+        os.environ.update(nccl_env(cfg.output_dir, os.environ))
+    master = rdzv.host or world.master_addr
+    route = route_to(master) if world.world_size > 1 else None
+    interface, network = socket_interface_env(backend, route, master, os.environ)
+    os.environ.update(interface)  # before the process group starts: gloo reads it then
+    return Setup(backend, devices, rdzv, route, network)
+
+
+@contextmanager
+def joined(cfg: Config, world: World, setup: Setup | None = None,
+           workers: bool = False) -> Iterator[Setup]:
+    """This process in its process group for the `with` block, and out of it again afterwards,
+    even on errors. The lifeline (deadlines, signals) starts first; `setup` is resolved here
+    unless given; `workers`: the data workers' server starts its imports now."""
+    lifeline = Lifeline(world.rank, cfg.timeout_s, cfg.output_dir,  # signals count from here on
+                        launcher_pid(world)).start()
+    # After the watchdog started (it keeps the terminal for its own lines).
+    keep_torch_messages_in(Path(cfg.output_dir) / f"torch-rank{world.rank}.log")
+    if workers:
+        worker_context()
+    store, rdzv = None, setup.rdzv if setup else None
+    try:
+        setup = setup or resolve(cfg, world)
+        rdzv = setup.rdzv
+        store = ddp_setup(world, setup.backend, rdzv,
+                          startup_timeout_s(cfg.timeout_s, setup.backend), setup.devices, lifeline)
+        if world.is_main:
+            print(f"world: {world.world_size} process(es), launcher {world.launcher}, backend "
+                  f"{setup.backend}, layout {cfg.model_layout}, rank 0 on "
+                  f"{', '.join(map(str, setup.devices))}"
+                  + (f", network {setup.network}" if setup.network else ""), flush=True)
+        setup.lifeline, setup.store = lifeline, store
+        yield setup
+    finally:
+        with lifeline.waiting("the process group to shut down", "see the other ranks' output",
+                              phase="shutdown"):
+            cleanup(store, rdzv)
+        lifeline.close()
+
+
+def run(cfg: Config, world: World, work: Work) -> dict:
+    """`work` as one process of `world`, in its process group. This rank's own failure is left
+    for the others to read; one it learned of through a collective is explained from theirs."""
+    with joined(cfg, world, workers=cfg.num_workers > 0) as setup:
+        route, lifeline = setup.route, setup.lifeline
+        peers = PeerErrors(setup.store, world.rank, world.world_size,
+                           route.address if route and not route.loopback else "",
+                           f" at {setup.rdzv.address}" if setup.rdzv.port else "")
+        peers.announce()
+        try:
+            return work(cfg, world, setup.backend, setup.devices, lifeline)
+        except SetupError as exc:
+            if not (exc.quiet or exc.everywhere):
+                peers.record(str(exc))  # this rank's own problem: tell the others why
+            raise
+        except Exception as exc:
+            if world.world_size > 1 and is_communication_failure(exc):
+                with lifeline.waiting("the job's store, to learn why the others stopped",
+                                      "see the other ranks' output", phase="error reporting"):
+                    error = peers.explain(exc, cfg.timeout_s)
+                if setup.backend == "nccl":
+                    error = SetupError(f"{error}; {flight_recorder_hint(cfg.output_dir)}",
+                                       quiet=error.quiet)
+                raise error from exc
+            peers.record(f"{type(exc).__name__}: {exc}".splitlines()[0])
+            raise
+
+
+def run_and_report(cfg: Config, world: World, work: Work) -> int:
+    """`run`, with every failure turned into an exit code (the process then ends through
+    `exit_process`). A run stopped by a signal saved a checkpoint and ends with 128 + the
+    signal's number (130 for Ctrl-C, 143 for SIGTERM), so `train && next` does not go on."""
+    try:
+        result = run(cfg, world, work)
+    except SetupError as exc:
+        agent = launcher_pid(world) if world.launcher == "torchrun" else 0
+        if isinstance(exc, LostContact) and agent and world.world_size > world.local_world_size:
+            report_error(LostContact(f"{exc}. torchrun's agent on this node was stopped too: it "
+                                     "waits on that store with no timeout"), world.local_rank)
+            stop_stuck_agent(agent)
+        else:
+            report_error(exc, world.local_rank)
+        return 1
+    except Exception:
+        traceback.print_exc()  # a bug, not a known failure: the whole story
+        return 1
+    return result.get("exit_code", 0)
+
+
+def start(cfg: Config, work: Work) -> int:
+    """`work` in every process of the run: this one (under a launcher, or alone), or the
+    `--nprocs` processes started here. Returns this process's exit code."""
+    try:
+        world = resolve_world(local_rank_flag=cfg.local_rank)
+        if cfg.nprocs > 1:
+            if world.launcher != "none":
+                raise SetupError(f"--nprocs starts processes itself, but this one was started by "
+                                 f"{world.launcher}; drop --nprocs (the launcher sets the process "
+                                 "count)", everywhere=True)
+            return spawn(cfg, work)
+    except SetupError as exc:
+        report_error(exc)
+        return 1
+    return run_and_report(cfg, world, work)
+
+
+def _spawn_worker(index: int, cfg: Config, nprocs: int, port: int, run_id: str,
+                  work: Work) -> None:
+    world = World(rank=index, local_rank=index, world_size=nprocs, local_world_size=nprocs,
+                  launcher="spawn", master_addr="127.0.0.1", master_port=port, run_id=run_id)
+    exit_process(run_and_report(cfg, world, work))
+
+
+def spawn(cfg: Config, work: Work) -> int:
+    """Start `cfg.nprocs` processes on this machine. A free port is picked here, so parallel runs
+    don't collide; if one child fails, the others are stopped and the run exits non-zero."""
+    port = find_free_port()
+    run_id = f"spawn-{uuid.uuid4().hex[:8]}"
+    # Check --init-method once here (a stale file, a bad URL) rather than once per child.
+    resolve_rendezvous(cfg.init_method, World(0, 0, cfg.nprocs, cfg.nprocs, "spawn", "127.0.0.1",
+                                              port, run_id), rendezvous_dir(cfg))
+    context = mp.start_processes(_spawn_worker, args=(cfg, cfg.nprocs, port, run_id, work),
+                                 nprocs=cfg.nprocs, join=False, start_method="spawn")
+
+    stop: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:  # the workers stop, save and exit themselves
+        stop.append(signum)
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
+    try:
+        return _wait_for_workers(context.processes, stop)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _wait_for_workers(processes: list, stop: list[int]) -> int:
+    """Wait for every worker. One that fails stops the others (not torch's `join`, which would
+    also stop the workers of a stopped run while they save); a stopped run exits as a worker
+    did: 128 + the signal."""
+    waiting = {process.sentinel: index for index, process in enumerate(processes)}
+    while waiting:
+        for sentinel in mp_connection.wait(list(waiting)):
+            index = waiting.pop(sentinel)
+            processes[index].join()
+            code = processes[index].exitcode
+            if code == 0 or (stop and code - 128 in STOP_SIGNALS):  # stopped and saved
+                continue
+            if code == 1:  # it printed its error; the others may be about to print theirs
+                mp_connection.wait(list(waiting), timeout=QUIET_EXIT_DELAY_S * 3)
+            for process in processes:
+                if process.is_alive():
+                    process.terminate()
+            how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+                   else f"exited with code {code}")
+            if code != 1:  # exit code 1: a worker that printed its own `error:` line
+                report_error(SetupError(f"worker {index} {how}; the other workers were "
+                                        "stopped"))
+            for process in processes:
+                process.join()
+            return 1
+    return 128 + stop[0] if stop else 0
