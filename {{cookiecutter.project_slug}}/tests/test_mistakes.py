@@ -34,8 +34,7 @@ from conftest import (
     torchrun_cmd,
 )
 
-from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
-from {{ cookiecutter.package_name }}.resume import unreadable
+from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta, unreadable
 from {{ cookiecutter.package_name }}.train import main
 
 pytestmark = pytest.mark.full  # the slow tier: pytest --full

@@ -43,6 +43,7 @@ from .failures import (
     keep_torch_messages_in,
     report_error,
 )
+from .loop import Data, Runtime, Trainer
 from .optim import Optimization
 from .parallel import parallelize
 from .runtime.comm_hooks import register_comm_hook
@@ -59,7 +60,6 @@ from .runtime.rendezvous import (
     resolve_rendezvous,
 )
 from .runtime.workarounds import exit_process, stop_stuck_agent
-from .trainer import Data, Runtime, Trainer
 
 STARTED_AT = time.time()  # when this process imported the code: the start of "time to first step"
 # What a process runs once its process group started: train_on, or another function that builds
