@@ -284,7 +284,7 @@ def token_costs(project: Path, workload: dict) -> dict:
     code = ("import json, sys, torch\n"
             "from ddp_project import task\n"
             "from ddp_project.config import parse_args\n"
-            "from ddp_project.metrics import peak_flops\n"
+            "from ddp_project.meters import peak_flops\n"
             "cfg = parse_args(sys.argv[1:])\n"
             "with torch.device('meta'):\n"
             "    model = task.build_model(cfg)\n"

@@ -76,8 +76,10 @@ def expected_files(package: str, answers: dict) -> set[str]:
         "test_layouts", "test_mistakes", "test_nccl", "test_network", "test_object_storage", "test_plan",
         "test_recovery", "test_task", "test_tracker", "test_train", "s3server")}
     files |= {f"{package}/{name}.py" for name in (
-        "__init__", "checkpoint", "config", "data", "doctor", "ema", "evaluation", "failures", "main", "metrics",
-        "optim", "parallel", "plan", "resume", "settings", "sharded", "storage", "task", "trainer")}
+        "__init__", "config", "data", "doctor", "ema", "evaluation", "failures", "loop", "main", "meters", "metrics",
+        "optim", "parallel", "plan", "settings", "task")}
+    files |= {f"{package}/checkpoint/{name}.py" for name in (
+        "__init__", "__main__", "checkpointer", "export", "files", "folder", "resume", "sharded", "storage")}
     files |= {f"{package}/runtime/{name}.py" for name in (
         "__init__", "backstop", "comm_hooks", "environments", "launch", "lifeline", "nccl", "network", "rendezvous",
         "trackers", "workarounds")}

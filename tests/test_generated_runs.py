@@ -105,7 +105,7 @@ def quickstart_done(default_project, torch_venv):
 
 def test_readme_quickstart_trains_as_written(default_project, torch_venv, quickstart_done):
     assert quickstart_done[1] == "torchrun --standalone --nproc-per-node=2 train.py --epochs 3"
-    check_ok(torch_venv.run([torch_venv.python, "-c", "import ddp_project.trainer"],
+    check_ok(torch_venv.run([torch_venv.python, "-c", "import ddp_project.loop"],
                             default_project.parent))  # installed, not only importable from cwd
     summary = (default_project / "runs/latest/summary.json").read_text()
     assert '"epochs_completed": 3' in summary and '"world_size": 2' in summary

@@ -788,7 +788,7 @@ def test_dockerfile_structure(bake):
     for rel in (".git/config", "checkpoints/ckpt_step00000016.pt", "runs/latest/metrics.jsonl",
                 "pkg/__pycache__/x.pyc"):
         assert dockerignored(rel, ignored), rel
-    for rel in ("pyproject.toml", "requirements.txt", "train.py", "pkg/trainer.py"):
+    for rel in ("pyproject.toml", "requirements.txt", "train.py", "pkg/loop.py"):
         assert not dockerignored(rel, ignored), rel
 
 
@@ -930,7 +930,7 @@ def test_dockerfile_steps_and_command_run(bake, tmp_path):
     assert len(ran) == 3 and f"torch=={torch_version}" in ran[0], ran
 
     # The project is installed, not only importable from its folder: its subpackages too.
-    package = next(p.parent.name for p in workdir.glob("*/trainer.py"))
+    package = next(p.parent.name for p in workdir.glob("*/loop.py"))
     check_ok(run([str(bin_dir / "python"), "-c", f"import {package}.checkpoint, {package}.main"], tmp_path,
                  **build_env))
 

@@ -40,22 +40,22 @@ SITECUSTOMIZE = """
 import os
 hook = os.environ.get("TEST_HOOK")
 if hook == "fail-on-rank-1" and os.environ.get("SLURM_PROCID") == "1":
-    import ddp_project.trainer as trainer
-    run_batch = trainer.Trainer._run_batch
+    import ddp_project.loop as loop
+    run_batch = loop.Trainer._run_batch
     def failing(self, *args, **kwargs):
         if self.step == 5:
             raise RuntimeError("a step failed on rank 1 (a test)")
         return run_batch(self, *args, **kwargs)
-    trainer.Trainer._run_batch = failing
+    loop.Trainer._run_batch = failing
 elif hook == "slow-start":
     import time
-    import ddp_project.trainer as trainer
-    pick = trainer.pick_checkpoint
+    import ddp_project.checkpoint.checkpointer as checkpointer
+    pick = checkpointer.pick_checkpoint
     def slow(*args, **kwargs):
         print("starting slowly", flush=True)
         time.sleep(15)
         return pick(*args, **kwargs)
-    trainer.pick_checkpoint = slow
+    checkpointer.pick_checkpoint = slow
 """
 
 

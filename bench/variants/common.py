@@ -15,7 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from ddp_project.metrics import StepClock  # the project's own clock: every variant timed alike
+from ddp_project.meters import StepClock  # the project's own clock: every variant timed alike
 from ddp_project.runtime.workarounds import exit_process
 
 STARTED_AT = time.time()

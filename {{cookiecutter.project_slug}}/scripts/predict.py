@@ -17,8 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project, installed or not
 
-from {{ cookiecutter.package_name }} import storage, task  # noqa: E402
-from {{ cookiecutter.package_name }}.checkpoint import model_and_meta  # noqa: E402
+from {{ cookiecutter.package_name }} import task  # noqa: E402
+from {{ cookiecutter.package_name }}.checkpoint import storage  # noqa: E402
+from {{ cookiecutter.package_name }}.checkpoint.export import model_and_meta  # noqa: E402
 from {{ cookiecutter.package_name }}.config import Config  # noqa: E402
 from {{ cookiecutter.package_name }}.failures import SetupError  # noqa: E402
 

@@ -123,7 +123,7 @@ def summary(output_dir: Path) -> dict:
 
 def ckpt_name(step: int) -> str:
     """The name of step `step`'s checkpoint in this project's default layout."""
-    from {{ cookiecutter.package_name }}.checkpoint import checkpoint_path
+    from {{ cookiecutter.package_name }}.checkpoint.files import checkpoint_path
     from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT
 
     return checkpoint_path("", step, sharded=DEFAULT_MODEL_LAYOUT == "fsdp").name
@@ -131,7 +131,7 @@ def ckpt_name(step: int) -> str:
 
 def load_state(path: Path) -> dict:
     """Everything in a checkpoint, file or folder, as one dict of plain values and tensors."""
-    from {{ cookiecutter.package_name }}.checkpoint import load_checkpoint, read_meta
+    from {{ cookiecutter.package_name }}.checkpoint.files import load_checkpoint, read_meta
 
     if not path.is_dir():
         return load_checkpoint(path)
@@ -146,7 +146,8 @@ def load_state(path: Path) -> dict:
 
 def final_model(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """The model of the newest checkpoint (file or folder) in `checkpoint_dir`."""
-    from {{ cookiecutter.package_name }}.checkpoint import export, list_checkpoints, load_checkpoint
+    from {{ cookiecutter.package_name }}.checkpoint.export import export
+    from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, load_checkpoint
 
     newest = list_checkpoints(checkpoint_dir)[0]
     if newest.is_dir():
@@ -159,7 +160,7 @@ def kill_a_worker_once_saved(cmd: list[str], cwd: Path, checkpoint_dir: Path, st
                              worker: int = 1) -> None:
     """Start `cmd` (torchrun), SIGKILL its `worker`-th training process once a checkpoint of
     `step` or later is in `checkpoint_dir`, and wait for the job to end."""
-    from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
+    from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta
 
     job = subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)

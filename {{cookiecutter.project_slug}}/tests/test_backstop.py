@@ -39,8 +39,9 @@ LONG = ["--no-progress", "--dataset-size", "4096", "--batch-size", "4", "--hidde
 HOOKS = """
 import ctypes, os, sys, time
 from pathlib import Path
+import {{ cookiecutter.package_name }}.checkpoint.checkpointer as checkpointer
+import {{ cookiecutter.package_name }}.loop as loop
 import {{ cookiecutter.package_name }}.runtime.rendezvous as rendezvous
-import {{ cookiecutter.package_name }}.trainer as trainer
 from {{ cookiecutter.package_name }}.failures import SetupError
 from {{ cookiecutter.package_name }}.main import main
 
@@ -52,7 +53,7 @@ def storage_hangs(*args):  # rank 0's storage stops answering (the lock is free)
     print("stuck", flush=True)
     time.sleep(3600)
 
-loss_fn = trainer.Trainer._run_batch
+loss_fn = loop.Trainer._run_batch
 
 def fail_on_request(self, *args, **kwargs):  # rank 1 fails once the test asks for it
     if self.world.rank == 1 and Path("fail-now").exists():
@@ -62,13 +63,13 @@ def fail_on_request(self, *args, **kwargs):  # rank 1 fails once the test asks f
 if __name__ == "__main__":
     hook = os.environ["HOOK"]
     if hook == "hold-the-lock":
-        trainer.agree = hold_the_lock  # every rank, inside the resume's deadline
+        checkpointer.agree = hold_the_lock  # every rank, inside the resume's deadline
     elif hook == "storage-hangs":
-        trainer.pick_checkpoint = storage_hangs
+        checkpointer.pick_checkpoint = storage_hangs
     elif hook == "garbage-store-file":
         rendezvous.check_store_file = lambda path: None  # let PyTorch meet it
     elif hook == "fail-on-request":
-        trainer.Trainer._run_batch = fail_on_request
+        loop.Trainer._run_batch = fail_on_request
     sys.exit(main(sys.argv[1:]))
 """
 

@@ -10,16 +10,11 @@ import pytest
 import torch
 from conftest import PROJECT_ROOT, child_env
 
-from {{ cookiecutter.package_name }}.checkpoint import (
-    CheckpointDir,
-    Staging,
-    export,
-    list_checkpoints,
-    load_checkpoint,
-    write_file,
-)
+from {{ cookiecutter.package_name }}.checkpoint.export import export
+from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, load_checkpoint, write_file
+from {{ cookiecutter.package_name }}.checkpoint.folder import CheckpointDir, Staging
+from {{ cookiecutter.package_name }}.checkpoint.resume import pick_checkpoint
 from {{ cookiecutter.package_name }}.failures import SetupError
-from {{ cookiecutter.package_name }}.resume import pick_checkpoint
 
 
 def _state(step: int) -> dict:
@@ -69,7 +64,7 @@ def test_a_resumed_run_keeps_its_history_and_moves_later_checkpoints(tmp_path):
 
 LOCK_HOLDER = """
 import sys, time
-from {{ cookiecutter.package_name }}.checkpoint import CheckpointDir
+from {{ cookiecutter.package_name }}.checkpoint.folder import CheckpointDir
 folder = CheckpointDir(sys.argv[1], 3)
 folder.open()
 print("locked", flush=True)
@@ -134,11 +129,11 @@ def test_a_failed_write_keeps_the_previous_checkpoint_and_says_why(tmp_path):
     assert list_checkpoints(tmp_path) == [good] and load_checkpoint(good)["step"] == 1
 
 
-def test_background_save_writes_a_snapshot_taken_before_training_goes_on(tmp_path):
+def test_background_save_writes_a_copy_taken_before_training_goes_on(tmp_path):
     folder = _dir(tmp_path)
     live = {"model": {"w": torch.zeros(1000)}, "step": 1}
-    snapshot = Staging().copy(live)
-    folder.in_background(lambda: (time.sleep(0.2), folder.save_file(snapshot, 1)))
+    copy = Staging().copy(live)
+    folder.in_background(lambda: (time.sleep(0.2), folder.save_file(copy, 1)))
     live["model"]["w"].add_(1)  # training changes the weights while the save runs
     folder.wait()
     assert load_checkpoint(tmp_path / "ckpt_step00000001.pt")["model"]["w"].sum() == 0

@@ -19,7 +19,7 @@ import torch.distributed.launch
 import torch.distributed.run
 from conftest import PROJECT_ROOT, skip_unless_example_task
 
-PACKAGE = next(p.parent for p in PROJECT_ROOT.glob("*/trainer.py"))
+PACKAGE = next(p.parent for p in PROJECT_ROOT.glob("*/loop.py"))
 MARKDOWN = [PROJECT_ROOT / "README.md", *sorted((PROJECT_ROOT / "docs").glob("*.md"))]
 
 # External tools' own flags that the docs name (each is a real flag of that tool). They count only
@@ -61,7 +61,7 @@ NAMED = {
     "lighthouse": r"\blighthouse",
 }
 # A module's own comments speak of its own command line.
-OWN_COMMAND = {"doctor.py": "doctor", "checkpoint.py": "export", "workarounds.py": "torchrun"}
+OWN_COMMAND = {"doctor.py": "doctor", "export.py": "export", "workarounds.py": "torchrun"}
 # Files a project holds (what a path must start with, or end with, to count as a pointer).
 TOP_DIRS = {"docs", "scripts", "tests", "k8s", "configs", ".github", PACKAGE.name}
 EXTENSIONS = (".py", ".md", ".sh", ".sbatch", ".ps1", ".yaml", ".yml", ".toml", ".txt")
@@ -185,14 +185,14 @@ def flags(pytestconfig) -> dict[str, Callable[[str], bool]]:
     """For each command the docs may name: whether a flag is one of its own."""
     config = importlib.import_module(f"{PACKAGE.name}.config")
     doctor = importlib.import_module(f"{PACKAGE.name}.doctor")
-    checkpoint = importlib.import_module(f"{PACKAGE.name}.checkpoint")
+    export = importlib.import_module(f"{PACKAGE.name}.checkpoint.export")
     train = options(config.build_parser(config.task_settings()))
     doctor_parser = config.build_parser(config.task_settings())
     doctor.add_plan_flags(doctor_parser)
     known: dict[str, set[str]] = {
         "train.py": train,
         "doctor": options(doctor_parser),
-        "export": help_flags(checkpoint.main, "export"),
+        "export": help_flags(export.main, "export"),
         "torchrun": options(torch.distributed.run.get_args_parser()),
         "launch": help_flags(torch.distributed.launch.parse_args),  # adds --use-env
         **EXTERNAL_FLAGS,

@@ -23,7 +23,7 @@ from conftest import (
 )
 
 from {{ cookiecutter.package_name }} import task
-from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
+from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta
 from {{ cookiecutter.package_name }}.config import Config
 from {{ cookiecutter.package_name }}.data import BatchFetcher, move_to, validation_batches
 

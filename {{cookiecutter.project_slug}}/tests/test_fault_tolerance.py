@@ -27,7 +27,7 @@ from conftest import (
     torchrun_cmd,
 )
 
-from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints
+from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints
 from {{ cookiecutter.package_name }}.failures import SetupError
 from {{ cookiecutter.package_name }}.fault_tolerance import Replicas
 from {{ cookiecutter.package_name }}.runtime.environments import World, find_free_port

@@ -25,7 +25,7 @@ from conftest import (
     torchrun_cmd,
 )
 
-from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
+from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta
 from {{ cookiecutter.package_name }}.failures import SetupError
 from {{ cookiecutter.package_name }}.parallel import shard_group_size
 

@@ -29,7 +29,7 @@ from conftest import (
 )
 
 from {{ cookiecutter.package_name }} import task
-from {{ cookiecutter.package_name }}.checkpoint import checkpoint_path
+from {{ cookiecutter.package_name }}.checkpoint.files import checkpoint_path
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.data import BatchFetcher
 from {{ cookiecutter.package_name }}.parallel import model_blocks, split_over_two

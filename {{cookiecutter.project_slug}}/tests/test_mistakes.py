@@ -34,9 +34,8 @@ from conftest import (
     torchrun_cmd,
 )
 
-from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
+from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta, unreadable
 from {{ cookiecutter.package_name }}.main import main
-from {{ cookiecutter.package_name }}.resume import unreadable
 
 pytestmark = pytest.mark.full  # the slow tier: pytest --full
 

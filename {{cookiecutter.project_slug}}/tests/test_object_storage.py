@@ -58,7 +58,7 @@ def checkpoints(fs, prefix: str) -> list[str]:
 
 def bucket_model(s3, url: str, cwd: Path) -> dict:
     """The newest checkpoint's model under `url`, exported from the bucket to a local file."""
-    from {{ cookiecutter.package_name }}.checkpoint import load_checkpoint
+    from {{ cookiecutter.package_name }}.checkpoint.files import load_checkpoint
 
     newest = max(n for n in checkpoints(s3.fs(), url[9:]) if n.startswith("ckpt_step"))
     out = cwd / "exported.pt"
@@ -114,8 +114,8 @@ def test_a_kill_in_the_middle_of_an_upload_leaves_the_previous_checkpoint_newest
     the folder's meta.json); the whole job is killed while it waits."""
     from s3server import Proxy
 
-    from {{ cookiecutter.package_name }} import checkpoint
-    from {{ cookiecutter.package_name }}.checkpoint import CheckpointDir, is_complete
+    from {{ cookiecutter.package_name }}.checkpoint import folder as checkpoint_folder
+    from {{ cookiecutter.package_name }}.checkpoint.files import is_complete, list_checkpoints
 
     if layout == "fsdp" and importlib.util.find_spec("numpy") is None:
         pytest.skip("--model-layout fsdp needs numpy")
@@ -146,13 +146,13 @@ def test_a_kill_in_the_middle_of_an_upload_leaves_the_previous_checkpoint_newest
         assert "skipping unreadable checkpoint" in result.stderr
         # An unfinished folder is removed once it is old: made "old" here by STALE_S = 0.
         fs.rm(f"bkt/{url[9:]}/ckpt_step00000016/meta.json")
-        monkeypatch.setattr(checkpoint, "STALE_S", 0)
+        monkeypatch.setattr(checkpoint_folder, "STALE_S", 0)
         for key, value in s3.env().items():
             monkeypatch.setenv(key, value)
-        folder = CheckpointDir(url, 0)
+        folder = checkpoint_folder.CheckpointDir(url, 0)
         folder.open()
         assert not fs.exists(f"bkt/{url[9:]}/ckpt_step00000016")
-        assert all(is_complete(p) for p in checkpoint.list_checkpoints(url))
+        assert all(is_complete(p) for p in list_checkpoints(url))
 
 
 def test_sigterm_saves_to_the_bucket_before_the_process_leaves(tmp_path, example_task, s3):

@@ -30,7 +30,7 @@ from conftest import (
     torchrun_cmd,
 )
 
-from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
+from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta
 from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT
 from {{ cookiecutter.package_name }}.runtime.environments import find_free_port
 

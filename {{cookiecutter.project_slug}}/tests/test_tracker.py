@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import ok, one_error, read_metrics, torchrun
 
-from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints, read_meta
+from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta
 from {{ cookiecutter.package_name }}.config import DEFAULT_TRACKER, TRACKERS
 
 pytestmark = pytest.mark.full  # the slow tier: pytest --full

@@ -20,7 +20,7 @@ from conftest import (
     torchrun,
 )
 
-from {{ cookiecutter.package_name }}.checkpoint import list_checkpoints
+from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints
 
 pytestmark = pytest.mark.full  # the slow tier: pytest --full
 

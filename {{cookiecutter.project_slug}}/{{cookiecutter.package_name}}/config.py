@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import storage
+from .checkpoint import storage
 from .evaluation import parse_goal
 from .failures import local_rank_from_env, say_once_per_node
 from .settings import setting  # also task.py's: `from .config import setting` works too

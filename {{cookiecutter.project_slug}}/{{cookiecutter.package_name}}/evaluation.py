@@ -1,11 +1,15 @@
 """Validation: task.eval_metrics over the validation set, every sample counted once across ranks.
 
 Each rank sums its share; one all_reduce adds the sums of all ranks, so `val_<name> = sum / count`
-is exactly the single-process value (up to rounding), whatever the number of ranks.
+is exactly the single-process value (up to rounding), whatever the number of ranks. `Evaluation`
+decides when to evaluate and what follows: the log, --keep-best and --early-stop, --eval-only.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,7 +119,7 @@ class ModelSelection:
         self.best: dict[str, Any] = {}  # of --keep-best: metric, value, step (once saved)
         self.stop_best: float | None = None
         self.since_best = 0  # evaluations since --early-stop's metric last improved
-        self.pending_save = False  # a new best, to be saved at this step
+        self.new_best = False  # the last evaluation is --keep-best's best so far
         self.should_stop = False
 
     def check(self, reported: list[str]) -> None:
@@ -129,11 +133,12 @@ class ModelSelection:
         """Take one evaluation's metrics; returns what to tell the user."""
         notes = []
         self.check(list(metrics))
+        self.new_best = False
         if self.keep:
             name, maximize = self.keep
             if not self.best or _better(metrics[name], self.best["value"], maximize):
                 self.best = {"metric": name, "value": metrics[name], "step": step}
-                self.pending_save = True
+                self.new_best = True
         if self.stop:
             name, maximize = self.stop
             if self.stop_best is None or _better(metrics[name], self.stop_best, maximize):
@@ -156,6 +161,86 @@ class ModelSelection:
 
     def summary(self) -> dict[str, Any]:
         return {"best": self.best or None, "early_stopped": self.should_stop}
+
+
+class Evaluation:
+    """When to evaluate and what follows. Each epoch's end and every --eval-every-steps: the
+    metrics are logged and printed, and --keep-best's and --early-stop's selection takes them.
+    --eval-only evaluates the resumed checkpoint instead of training."""
+
+    def __init__(self, cfg: Any, evaluator: Evaluator | None, model: nn.Module, autocast: Any,
+                 ema: EMA | None, is_main: bool, log: Callable[[dict[str, Any]], None]) -> None:
+        # cfg: a Config (config.py imports this module). model: fsdp's wrapper, else the plain
+        # module. log: a line of metrics.jsonl.
+        self.cfg, self.evaluator, self.model, self.autocast, self.ema = (
+            cfg, evaluator, model, autocast, ema)
+        self.is_main, self.log, self.every = is_main, log, cfg.eval_every_steps
+        self.selection = ModelSelection(cfg.keep_best, cfg.early_stop)
+        self.values: dict[str, float] = {}  # the last evaluation's metrics
+
+    def due(self, step: int, last_of_epoch: bool) -> bool:
+        """Whether step `step` is evaluated: every --eval-every-steps, but not an epoch's last
+        step (the epoch's end is evaluated anyway)."""
+        return self.every > 0 and step % self.every == 0 and not last_of_epoch
+
+    def run(self, epoch: int, step: int) -> bool:
+        """Evaluate (every rank), log, print; True for a new best that --keep-best keeps."""
+        if self.evaluator is None:
+            return False
+        self.values = self.evaluator.run(self.model, self.autocast, self.ema)
+        self.log({"step": step, "epoch": epoch, **self.values})
+        notes = self.selection.update(self.values, step)
+        if self.is_main:
+            print(f"epoch {epoch} validation: {_shown(self.values)}", flush=True)
+            for note in notes:
+                print(note, flush=True)
+        return self.selection.new_best
+
+    def check(self) -> None:
+        """Before anything runs: a flag that needs a validation set, without one."""
+        cfg = self.cfg
+        wants = [flag for flag, on in (("--eval-only", cfg.eval_only),
+                                       ("--eval-every-steps", cfg.eval_every_steps),
+                                       ("--keep-best", cfg.keep_best),
+                                       ("--early-stop", cfg.early_stop)) if on]
+        if wants and self.evaluator is None:
+            raise SetupError(f"{wants[0]} needs a validation set, and task.build_datasets "
+                             "returned none (raise --val-fraction?)", everywhere=True)
+
+    def check_metric_names(self) -> None:
+        """Before training: a misspelt metric of --keep-best or --early-stop (every rank)."""
+        if self.selection.keep or self.selection.stop:
+            self.selection.check(self.evaluator.reported(self.model, self.autocast, self.ema))
+
+    def evaluate_only(self, checkpoint: str | None, step: int) -> dict[str, Any]:
+        """--eval-only: the metrics of the resumed checkpoint, written to eval.json; no training,
+        no checkpoint, no summary."""
+        if not checkpoint:
+            raise SetupError(f"--eval-only needs a checkpoint, and there is none in "
+                             f"--checkpoint-dir {self.cfg.checkpoint_dir}; name one with --resume "
+                             "PATH", everywhere=True)
+        metrics = self.evaluator.run(self.model, self.autocast, self.ema)
+        result = {"checkpoint": checkpoint, "step": step, **metrics}
+        if self.is_main:
+            print(f"evaluation of {checkpoint} (step {step}): {_shown(metrics)}", flush=True)
+            out = Path(self.cfg.output_dir) / "eval.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2) + "\n")
+        return result
+
+    def restart_selection(self, state: dict[str, Any] | None) -> None:
+        """A resumed run's selection: with the checkpoint's best so far, and --keep-best as the
+        checkpoint's run had it where the command line leaves it out (resume.keep_retention)."""
+        self.selection = ModelSelection(self.cfg.keep_best, self.cfg.early_stop)
+        self.selection.load_state_dict(state)
+
+    def summary(self) -> dict[str, Any]:
+        """The evaluation's part of summary.json."""
+        return {**self.values, **self.selection.summary()}
+
+
+def _shown(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.5g}" for k, v in metrics.items())
 
 
 def _better(value: float, than: float, maximize: bool) -> bool:

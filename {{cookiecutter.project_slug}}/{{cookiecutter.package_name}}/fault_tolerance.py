@@ -46,7 +46,7 @@ from .runtime.launch import start
 from .runtime.lifeline import Lifeline
 from .runtime.network import VARIABLES, route_to
 from .runtime.rendezvous import collective_device
-from .trainer import Runtime, Trainer
+from .loop import Runtime, Trainer
 
 INSTALL = 'pip install -e ".[ft]"'
 START_IT = "start it (scripts/train_ft.sh lighthouse) or fix TORCHFT_LIGHTHOUSE"
@@ -325,21 +325,22 @@ class Healing:
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
-        return {"model": t.raw.state_dict(), "optimizer": t.optim.optimizer.state_dict(),
-                "optim": Optimization.state_dict(t.optim), "selection": t.selection.state_dict(),
-                "position": [t.epoch, t.batch_in_epoch, t.step], "last_loss": t.last_loss}
+        return {"model": t.unwrapped.state_dict(), "optimizer": t.optim.optimizer.state_dict(),
+                "optim": Optimization.state_dict(t.optim),
+                "selection": t.evaluation.selection.state_dict(),
+                "position": [t.epoch, t.batch_in_epoch, t.step], "last_loss": t.metrics.last_loss}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         t = self.trainer
         if self.training:  # it cannot rewind the loop it is in: start over, and heal at start
             raise SetupError("this replica group fell behind the others (a step it could not "
                              "commit); restart it and it heals from them", everywhere=True)
-        t.raw.load_state_dict(state["model"])
+        t.unwrapped.load_state_dict(state["model"])
         t.optim.optimizer.load_state_dict(state["optimizer"])
         Optimization.load_state_dict(t.optim, state["optim"])
-        t.selection.load_state_dict(state["selection"])
+        t.evaluation.selection.load_state_dict(state["selection"])
         t.epoch, t.batch_in_epoch, t.step = state["position"]
-        t.last_loss = state["last_loss"]
+        t.metrics.last_loss = state["last_loss"]
         if t.world.is_main and t.step > 0:  # at step 0 every group takes the first's weights
             print(f"torchft: healed from a live replica group: epoch {t.epoch}, batch "
                   f"{t.batch_in_epoch}, step {t.step}", flush=True)

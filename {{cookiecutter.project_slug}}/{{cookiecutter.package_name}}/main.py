@@ -35,7 +35,7 @@ from .runtime.launch import start
 from .runtime.lifeline import Lifeline
 from .runtime.rendezvous import collective_device
 from .runtime.workarounds import exit_process
-from .trainer import Data, Runtime, Trainer
+from .loop import Data, Runtime, Trainer
 
 STARTED_AT = time.time()  # when this process imported the code: the start of "time to first step"
 

@@ -1,22 +1,194 @@
-"""What a run reports: rank 0's metrics.jsonl, summary.json and config.json, the tracker, the
-progress bar, step times and peak memory. Each writer is told whether this rank writes (rank 0
-only), and is silent elsewhere."""
+"""What a run reports, and when: every --log-every steps the mean loss over ranks (the one host
+sync of the loop besides DDP's own, where the ranks also agree on a stop), and at the end
+summary.json, --step-times and the closing lines. Rank 0 writes metrics.jsonl, summary.json,
+config.json and the tracker; the other ranks' writers are silent."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import statistics
+import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .failures import SetupError
+from .checkpoint import storage
+from .config import Config
+from .failures import SetupError, agree
+from .meters import Progress, StepClock, StepProfiler, Throughput
+from .runtime.environments import World
 from .runtime.trackers import Tracker, open_tracker
+
+
+class Metrics:
+    """The loop's reporting. `runtime` is the loop's Runtime; `lr` reads the learning rate;
+    `newest_checkpoint` says where the newest good checkpoint is (for a NaN loss)."""
+
+    def __init__(self, cfg: Config, world: World, runtime: Any, comm_device: torch.device,
+                 throughput: Throughput, lr: Callable[[], float],
+                 newest_checkpoint: Callable[[], str]) -> None:
+        self.cfg, self.world, self.throughput = cfg, world, throughput
+        self.device, self.comm_device = runtime.device, comm_device
+        self.backend, self.lifeline, self.started_at = (runtime.backend, runtime.lifeline,
+                                                        runtime.started_at)
+        self.lr, self.newest_checkpoint, self.every = lr, newest_checkpoint, cfg.log_every
+        self.writer = MetricsWriter(cfg.output_dir, False)  # rank 0's real one opens in open()
+        self.progress = Progress(cfg.progress and world.is_main)
+        self.clock = StepClock(runtime.device, cuda_events=bool(cfg.step_times))
+        self.profiler = StepProfiler(cfg.profile_range(), cfg.output_dir, world.is_main,
+                                     runtime.device)
+        self.last_loss: float | None = None
+        self.tracker_run_id: str | None = None
+        self.stopped_by: str | None = None
+        self.stop_signal = signal.SIGTERM  # the exit code of a stopped run is 128 + this
+        self.first_step_s: float | None = None
+        self.peak_mem_mb: list[float] = []
+        self.peak_reserved_mb: list[float] = []
+        self.summary_path: Path | None = None
+        self._loss_sum = torch.zeros((), device=runtime.device)
+        self._loss_count = 0
+        self._samples = 0  # samples this rank trained on since the last log
+        self._samples_total = 0
+
+    def open(self, resumed: bool) -> None:
+        """Rank 0 opens metrics.jsonl, the tracker and config.json; every rank learns whether
+        that worked."""
+        with self.lifeline.waiting("rank 0 to start the metrics and tracker",
+                                   "check rank 0's output"):
+            agree(lambda: self._open(resumed), self.comm_device)
+
+    def _open(self, resumed: bool) -> None:
+        """Rank 0: metrics.jsonl, the tracker, config.json; and whether --step-times can be
+        written (it is written at the end: find out now)."""
+        cfg = self.cfg
+        self.writer = MetricsWriter(cfg.output_dir, True, cfg.tracker, append=resumed,
+                                    config=cfg.to_dict(), tracker_run_id=self.tracker_run_id)
+        if self.writer.tracker is not None:
+            self.tracker_run_id = self.writer.tracker.run_id
+        self.writer.write_json("config.json", cfg.to_dict())
+        if cfg.step_times:
+            try:
+                Path(cfg.step_times).parent.mkdir(parents=True, exist_ok=True)
+                Path(cfg.step_times).touch()
+            except OSError as exc:
+                raise SetupError(f"--step-times {cfg.step_times}: cannot write it "
+                                 f"({exc.strerror or exc})") from None
+
+    # ---------------------------------------------------------------- during training
+    def start(self, step: int) -> None:
+        self._start = self._last_log_time = time.perf_counter()
+        self.profiler.step_done(step)
+
+    def start_epoch(self, epoch: int, total: int, done: int) -> None:
+        self.progress.start(epoch, total, done)
+
+    def batch_done(self, loss: torch.Tensor, samples: int) -> None:
+        self._loss_sum += loss  # stays on the device: no host sync until the log step
+        self._loss_count += 1
+        self._samples += samples
+        self.progress.update()
+
+    def step_done(self, step: int, epoch: int, last: bool) -> None:
+        """After optimizer step `step`: the clocks; the log every --log-every steps, and at the
+        last step of an epoch and of the run (`last`)."""
+        self.clock.tick()
+        self.profiler.step_done(step)
+        if step % self.every == 0 or last:
+            self.log(step, epoch)
+
+    def end_epoch(self) -> None:
+        self.progress.close()
+
+    def record(self, record: dict[str, Any]) -> None:
+        """One line of metrics.jsonl (and the tracker)."""
+        self.writer.log(record)
+
+    def log(self, step: int, epoch: int) -> None:
+        """Average the loss over ranks and steps since the last log and agree on a stop request:
+        the only collective and host sync of the loop besides DDP's own."""
+        if self._loss_count == 0:
+            return
+        signum = self.lifeline.stop_signal
+        loss, stop, self.peak_mem_mb, self.peak_reserved_mb = log_step_stats(
+            self._loss_sum, self._loss_count, signum is not None, self.device, self.comm_device)
+        if not math.isfinite(loss):
+            raise SetupError(f"the loss became {loss} by step {step}; {self.newest_checkpoint()}; "
+                             "lower --lr, use --clip-grad, or check the data", everywhere=True)
+        if stop:  # some rank was asked to stop: every rank stops after this step
+            self.stopped_by = signal.Signals(signum).name if signum else "another rank's signal"
+            self.stop_signal = signum or signal.SIGTERM
+        now = time.perf_counter()
+        samples_per_s = self._samples * self.world.world_size / max(now - self._last_log_time, 1e-9)
+        self.last_loss = loss
+        self._samples_total += self._samples
+        self._loss_sum.zero_()
+        self._loss_count, self._samples, self._last_log_time = 0, 0, now
+        record = {"step": step, "epoch": epoch, "loss": loss, "lr": self.lr(),
+                  "samples_per_s": round(samples_per_s, 1),
+                  **self.throughput.of(samples_per_s), "time_s": round(now - self._start, 3),
+                  "peak_mem_mb": self.peak_mem_mb}
+        if self.device.type == "cuda":
+            record["peak_reserved_mb"] = self.peak_reserved_mb
+        self.writer.log(record)
+        if not self.progress.show(f"loss={loss:.4f}") and self.world.is_main:
+            print(f"epoch {epoch} step {step} loss {loss:.5f} samples/s {samples_per_s:.0f}",
+                  flush=True)
+
+    # ---------------------------------------------------------------- the end
+    def stopped(self, step: int) -> dict[str, Any]:
+        """A stop signal's end: the checkpoint is saved; the exit code is 128 + the signal."""
+        if self.world.is_main:
+            print(f"stopped by {self.stopped_by} at step {step}: checkpoint saved in "
+                  f"{storage.shown(self.cfg.checkpoint_dir)}; run the same command to resume",
+                  flush=True)
+        return {"stopped_by": self.stopped_by, "steps": step, "exit_code": 128 + self.stop_signal}
+
+    def summary(self, epoch: int, step: int, *parts: dict[str, Any]) -> dict[str, Any]:
+        """summary.json, with the other components' `parts`; and --step-times (rank 0)."""
+        wall = time.perf_counter() - self._start
+        # Every rank trains on the same number of samples (the sampler pads): exact.
+        samples_per_s = self._samples_total * self.world.world_size / max(wall, 1e-9)
+        summary = {
+            "world_size": self.world.world_size, "backend": self.backend,
+            "launcher": self.world.launcher, "model_layout": self.cfg.model_layout,
+            "epochs_completed": epoch, "steps": step, "final_loss": self.last_loss,
+            "samples_per_s": round(samples_per_s, 1), **self.throughput.of(samples_per_s),
+            **self.clock.summary(),
+            "time_to_first_step_s": round(self.first_step_s, 3) if self.first_step_s else None,
+            "peak_mem_mb": self.peak_mem_mb,
+            **({"peak_reserved_mb": self.peak_reserved_mb} if self.device.type == "cuda" else {}),
+            "wall_time_s": round(wall, 3),
+        }
+        for part in parts:
+            summary.update(part)
+        self.summary_path = self.writer.write_json("summary.json", summary)
+        if self.cfg.step_times and self.world.is_main:
+            Path(self.cfg.step_times).write_text(json.dumps(self.clock.report(self.started_at)))
+        return summary
+
+    def close(self) -> None:
+        self.writer.close()
+        self.progress.close()
+
+    def print_closing(self, summary: dict[str, Any]) -> None:
+        """What rank 0 prints at a successful end: throughput, the final loss, where things are."""
+        if not self.world.is_main:
+            return
+        loss = "n/a" if self.last_loss is None else f"{self.last_loss:.5f}"
+        tokens = f"{summary['tokens_per_s']:.0f} tokens/s, " if "tokens_per_s" in summary else ""
+        if summary.get("mfu") is not None:
+            tokens += f"MFU {100 * summary['mfu']:.1f}%, "
+        print(f"throughput: {summary['samples_per_s']:.0f} samples/s, {tokens}median step "
+              f"{summary['median_step_ms']} ms, first step {summary['time_to_first_step_s']} s "
+              f"after start\ndone: {summary['steps']} steps, final loss {loss}\n"
+              f"checkpoints: {storage.shown(self.cfg.checkpoint_dir)}\n"
+              f"summary: {self.summary_path.resolve()}", flush=True)
 
 
 class MetricsWriter:
@@ -66,151 +238,6 @@ class MetricsWriter:
             self.tracker = None
 
 
-class Progress:
-    """A tqdm bar on rank 0 when asked for (and tqdm is installed); otherwise it does nothing."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.bar = None
-        self.enabled = enabled
-        if enabled:
-            try:
-                from tqdm import tqdm
-                self._tqdm = tqdm
-            except ImportError:
-                self.enabled = False
-
-    def start(self, epoch: int, total: int, done: int) -> None:
-        if self.enabled:
-            self.bar = self._tqdm(total=total, initial=done, desc=f"epoch {epoch}",
-                                  file=sys.stderr, dynamic_ncols=True, leave=False)
-
-    def update(self) -> None:
-        if self.bar is not None:
-            self.bar.update()
-
-    def show(self, text: str) -> bool:
-        """Put `text` on the bar; False when there is no bar (print it instead)."""
-        if self.bar is None:
-            return False
-        self.bar.set_postfix_str(text)
-        return True
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
-class StepClock:
-    """The end of every optimizer step on the host clock, and on a GPU also a CUDA event per step
-    (the host clock only sees kernel launches there). `--step-times` writes what it measured."""
-
-    WARMUP = 20  # steps dropped from the statistics: allocators and DDP's buckets warm up
-
-    def __init__(self, device: torch.device, cuda_events: bool = False) -> None:
-        self.ends: list[float] = []
-        self.events: list[torch.cuda.Event] | None = (
-            [] if cuda_events and device.type == "cuda" else None)
-
-    def tick(self) -> None:
-        self.ends.append(time.perf_counter())
-        if self.events is not None:
-            self.events.append(torch.cuda.Event(enable_timing=True))
-            self.events[-1].record()
-
-    def step_ms(self) -> list[float]:
-        ms = [1000 * (b - a) for a, b in zip(self.ends, self.ends[1:], strict=False)]
-        return ms[self.WARMUP:] if len(ms) > 2 * self.WARMUP else ms
-
-    def summary(self) -> dict[str, float | None]:
-        ms = self.step_ms()
-        return {"median_step_ms": round(statistics.median(ms), 3) if ms else None,
-                "p90_step_ms": round(statistics.quantiles(ms, n=10)[-1], 3) if len(ms) > 1
-                else None}
-
-    def report(self, started_at: float) -> dict[str, Any]:
-        """Wall-clock step ends (and on a GPU each step's CUDA-event time), for --step-times."""
-        to_wall = time.time() - time.perf_counter()
-        report: dict[str, Any] = {"started_at": started_at,
-                                  "step_ends": [t + to_wall for t in self.ends]}
-        if self.events:
-            torch.cuda.synchronize()
-            report["cuda_step_ms"] = [a.elapsed_time(b) for a, b in
-                                      zip(self.events, self.events[1:], strict=False)]
-        return report
-
-
-class StepProfiler:
-    """A torch.profiler trace of optimizer steps FIRST..LAST (--profile-steps) on rank 0, written
-    to <output-dir>/profile/ for TensorBoard or Perfetto. Every other step costs one comparison."""
-
-    def __init__(self, steps: tuple[int, int] | None, output_dir: str | Path, enabled: bool,
-                 device: torch.device) -> None:
-        self.steps = steps if enabled else None
-        self.folder = Path(output_dir) / "profile"
-        self.device = device
-        self.profile: Any = None
-
-    def step_done(self, step: int) -> None:
-        """Call after optimizer step `step` (and with the first step's number minus one before
-        training starts)."""
-        if self.steps is None:
-            return
-        first, last = self.steps
-        if step == first - 1:
-            from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
-
-            activities = [ProfilerActivity.CPU] + (
-                [ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            self.profile = profile(activities=activities, record_shapes=True, profile_memory=True,
-                                   on_trace_ready=tensorboard_trace_handler(str(self.folder),
-                                                                            "rank0"))
-            self.profile.start()
-        elif step == last and self.profile is not None:
-            self.profile.stop()
-            self.profile = None
-            print(f"profile of steps {first}-{last}: {self.folder.resolve()}", flush=True)
-
-
-# Dense bf16 peak FLOP/s of one device, what MFU is a fraction of. Others (CPUs, other GPUs,
-# the PCIe and NVL versions of the H100 and H200) have no entry, and their MFU is null.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    if ("H100" in name or "H200" in name) and ("PCIe" in name or "NVL" in name):
-        return None
-    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
-
-
-class Throughput:
-    """Tokens/s and MFU (model FLOPs utilisation) from samples/s, for a task that says how many
-    tokens a sample has (`task.tokens_per_sample(cfg)`) and, for MFU, what a token costs to train
-    (`task.flops_per_token(model, cfg)`). MFU = FLOPs per token x tokens/s / (peak of one device
-    x devices); null where the peak is unknown."""
-
-    def __init__(self, task: Any, model: torch.nn.Module, cfg: Any, device: torch.device,
-                 devices: int) -> None:
-        count = getattr(task, "tokens_per_sample", None)
-        self.tokens_per_sample = count(cfg) if count else None
-        cost = getattr(task, "flops_per_token", None)
-        peak = peak_flops(device)
-        self.flops_per_s_peak = peak * devices if peak else None
-        self.flops_per_token = cost(model, cfg) if cost and peak else None
-
-    def of(self, samples_per_s: float) -> dict[str, float | None]:
-        if self.tokens_per_sample is None:
-            return {}
-        tokens_per_s = samples_per_s * self.tokens_per_sample
-        mfu = (tokens_per_s * self.flops_per_token / self.flops_per_s_peak
-               if self.flops_per_token else None)
-        return {"tokens_per_s": round(tokens_per_s, 1),
-                "mfu": None if mfu is None else round(mfu, 4)}
-
-
 def log_step_stats(loss_sum: torch.Tensor, count: int, stop: bool, device: torch.device,
                    comm_device: torch.device) -> tuple[float, bool, list[float], list[float]]:
     """One all_reduce for a log step: the mean loss over ranks and steps, whether any rank was
@@ -238,45 +265,3 @@ def peak_memory_mb(device: torch.device) -> tuple[float, float]:
         return 0.0, 0.0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return (rss / 2**20 if sys.platform == "darwin" else rss / 2**10), 0.0  # bytes vs KiB
-
-
-def closing_lines(summary: dict[str, Any], last_loss: float | None, checkpoints: str,
-                  path: Path) -> str:
-    """What rank 0 prints at a successful end: throughput, the final loss, where things are."""
-    loss = "n/a" if last_loss is None else f"{last_loss:.5f}"
-    tokens = f"{summary['tokens_per_s']:.0f} tokens/s, " if "tokens_per_s" in summary else ""
-    if summary.get("mfu") is not None:
-        tokens += f"MFU {100 * summary['mfu']:.1f}%, "
-    return (f"throughput: {summary['samples_per_s']:.0f} samples/s, {tokens}median step "
-            f"{summary['median_step_ms']} ms, first step {summary['time_to_first_step_s']} s "
-            f"after start\ndone: {summary['steps']} steps, final loss {loss}\n"
-            f"checkpoints: {checkpoints}\nsummary: {path.resolve()}")
-
-
-class Bookkeeping:
-    """The chores around every step, behind one object: the progress bar, the step clock, the
-    profiler, and when to log and when to save."""
-
-    def __init__(self, progress: Progress, clock: StepClock, profiler: StepProfiler,
-                 log_every: int, save_every_steps: int) -> None:
-        self.progress, self.clock, self.profiler = progress, clock, profiler
-        self.log_every, self.save_every_steps = log_every, save_every_steps
-
-    def start_epoch(self, epoch: int, total: int, done: int) -> None:
-        self.progress.start(epoch, total, done)
-
-    def batch_done(self) -> None:
-        self.progress.update()
-
-    def step_done(self, step: int, last_of_epoch: bool, finished: bool) -> tuple[bool, bool]:
-        """After optimizer step `step`: (log now, save now). The last step of an epoch and of
-        the run is always logged; a step save is skipped where the epoch's own save follows."""
-        self.clock.tick()
-        self.profiler.step_done(step)
-        log = step % self.log_every == 0 or last_of_epoch or finished
-        save = (self.save_every_steps > 0 and step % self.save_every_steps == 0
-                and not last_of_epoch)
-        return log, save
-
-    def end_epoch(self) -> None:
-        self.progress.close()

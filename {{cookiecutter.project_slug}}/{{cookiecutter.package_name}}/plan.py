@@ -177,7 +177,7 @@ def settings(cfg: Config, world: int, samples: int | None, source: str, model: n
                             f"{world} processes x --grad-accum {cfg.grad_accum}) is more than the "
                             f"{samples:,} training samples: each process gets {sampler.shard_size} "
                             f"sample(s) an epoch{repeats}; lower --batch-size or use more data")
-        if cfg.warmup_steps > total:  # trainer.py's warning, word for word
+        if cfg.warmup_steps > total:  # loop.py's warning, word for word
             problems.append(f"--warmup-steps {cfg.warmup_steps} is longer than the run ({total} "
                             "steps): the learning rate never reaches --lr")
         if cfg.max_steps > per_epoch * cfg.epochs:

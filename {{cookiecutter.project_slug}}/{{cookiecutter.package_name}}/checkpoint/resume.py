@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config import Config
+from ..ema import EMA
+from ..failures import SetupError
 from . import storage
-from .checkpoint import is_complete, list_checkpoints, load_checkpoint, read_meta, unreadable
-from .config import Config
-from .ema import EMA
-from .failures import SetupError
+from .files import is_complete, list_checkpoints, load_checkpoint, read_meta, unreadable
 
 
 # ---------------------------------------------------------------------- which checkpoint
@@ -68,9 +68,9 @@ def check_same_shapes(model_state: dict[str, torch.Tensor], saved: dict[str, Any
                          f"{way_out}", everywhere=True)
 
 
-def load_snapshot(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  world_size: int, rank: int, batch_size: int, device: torch.device,
-                  ema: EMA | None = None) -> dict[str, Any]:
+def load_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              world_size: int, rank: int, batch_size: int, device: torch.device,
+              ema: EMA | None = None) -> dict[str, Any]:
     """Load a checkpoint (file or folder, from any layout) into this rank's model, optimizer and
     EMA; returns its metadata. Random states are restored when the world and batch size are the
     same: then the run continues bit for bit."""

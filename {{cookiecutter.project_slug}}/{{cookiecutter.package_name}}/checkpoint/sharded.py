@@ -28,9 +28,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ..failures import SetupError, agree
 from . import storage
-from .checkpoint import META, CheckpointDir, checkpoint_path, newest_complete
-from .failures import SetupError, agree
+from .files import META, checkpoint_path, newest_complete
+from .folder import CheckpointDir
 from .storage import AnyPath, RemotePath
 
 

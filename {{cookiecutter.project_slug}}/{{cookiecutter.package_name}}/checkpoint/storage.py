@@ -1,19 +1,7 @@
-"""Checkpoint folders in object storage: `--checkpoint-dir s3://bucket/prefix` (gs://, az://, ...).
-
-A URL's folder is reached through fsspec (s3fs for s3://: `pip install -e ".[s3]"`), imported only
-when a URL is given. Credentials and endpoints come the way the cloud's own tools take them
-(for S3: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, an instance or pod role, and
-AWS_ENDPOINT_URL for S3-compatible stores), never from the URL, so no secret reaches config.json.
-
-An object store has no rename, so a checkpoint there counts only once it is complete:
-- a checkpoint file is uploaded as one object, which appears whole or not at all (a PUT, or a
-  multipart upload's completion);
-- a checkpoint folder (fsdp) is written in place, and `meta.json` is written last, after DCP's
-  `.metadata`: a folder without it is a save that did not finish, which is never picked and is
-  removed once it is an hour old.
-`RemotePath` gives checkpoint.py the few `pathlib.Path` operations it uses, so both kinds of folder
-go through the same code. `file://` URLs are plain local paths.
-"""
+"""Checkpoint folders in object storage: `--checkpoint-dir s3://bucket/prefix` (gs://, az://, ...),
+through fsspec (imported only for a URL), with credentials from the environment, never the URL.
+With no rename there, a file is one upload (whole or absent), and a folder is complete once its
+`meta.json`, written last, is there (docs/recovery.md). `file://` URLs are plain local paths."""
 
 from __future__ import annotations
 
@@ -21,9 +9,7 @@ import atexit
 import importlib
 import os
 import shutil
-import socket
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from .failures import SetupError
+from ..failures import SetupError, bounded
 
 INSTALL = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
            "abfs": "adlfs", "abfss": "adlfs"}
@@ -217,7 +203,7 @@ def upload(local: Path, target: RemotePath, newest: str, timeout_s: float) -> No
     """Put one file at `target`, trying UPLOAD_TRIES times, each within `timeout_s`; the error
     that stops the run names `newest`, the newest complete checkpoint."""
     for attempt in range(1, UPLOAD_TRIES + 1):
-        failure = bounded(lambda: target.fs.put_file(str(local), target.key), timeout_s)
+        failure = within(lambda: target.fs.put_file(str(local), target.key), timeout_s)
         if failure is None:
             return
         if attempt == UPLOAD_TRIES or isinstance(failure, TimeoutError):
@@ -227,23 +213,20 @@ def upload(local: Path, target: RemotePath, newest: str, timeout_s: float) -> No
         time.sleep(2 ** attempt)
 
 
-def bounded(job: Callable[[], Any], timeout_s: float) -> BaseException | None:
-    """Run `job` on a thread of its own: None, its exception, or a TimeoutError when it has not
-    ended within `timeout_s` (a host that vanished; the process does not wait for the thread)."""
-    outcome: list[BaseException | None] = []
-
-    def attempt() -> None:
+def within(job: Callable[[], Any], timeout_s: float) -> BaseException | None:
+    """`job` on a thread of its own (failures.bounded): None, its exception, or a TimeoutError
+    when the storage has not answered within `timeout_s` (a host that vanished)."""
+    def caught() -> BaseException | None:
         try:
             job()
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            outcome.append(exc)
+        except BaseException as exc:  # noqa: BLE001 - a value: bounded's TimeoutError is silence
+            return exc
+        return None
 
-    worker = threading.Thread(target=attempt, name="storage", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    return outcome[0] if outcome else TimeoutError(
-        f"the storage did not answer within {timeout_s:.0f} s (--timeout-s)")
+    try:
+        return bounded(caught, timeout_s)
+    except TimeoutError:
+        return TimeoutError(f"the storage did not answer within {timeout_s:.0f} s (--timeout-s)")
 
 
 _cache: tempfile.TemporaryDirectory | None = None
@@ -310,21 +293,3 @@ def diagnosis(url: str, exc: BaseException) -> str:
         return f"cannot reach {where} ({why}); check AWS_ENDPOINT_URL and the network"
     return why
 
-
-def probe(directory: RemotePath, timeout_s: float, flag: str = "--checkpoint-dir") -> None:
-    """Write, list and delete a small object under `directory`, so that a bucket that does not
-    exist, refused credentials, an unreachable endpoint or a read-only prefix is one line before
-    training (SetupError), within `timeout_s`."""
-    key = f"{directory.key}/.write-probe-{socket.gethostname()}-{os.getpid()}"
-
-    def attempt() -> None:
-        directory.fs.pipe_file(key, b"probe\n")
-        directory.fs.ls(directory.key, detail=False)
-        directory.fs.rm_file(key)
-
-    failure = bounded(attempt, timeout_s)
-    if isinstance(failure, TimeoutError):
-        raise SetupError(f"{flag} {redact(directory.url)}: {failure}; check AWS_ENDPOINT_URL "
-                         "and the network")
-    if failure is not None:
-        raise SetupError(f"{flag} {redact(directory.url)}: {diagnosis(directory.url, failure)}")

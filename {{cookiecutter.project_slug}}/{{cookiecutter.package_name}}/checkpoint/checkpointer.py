@@ -1,0 +1,211 @@
+"""The Checkpointer: when to save, what a checkpoint holds, and resuming from one.
+
+It decides its own cadence, as torchtitan's checkpointer does: every --save-every epochs at an
+epoch's end, every --save-every-steps steps, the step of a new best evaluation (--keep-best), and
+the last step of the run. Every rank's random state goes into a checkpoint; rank 0 writes the file
+(fsdp: every rank writes its shards), and every rank learns whether that worked before going on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import Config
+from ..failures import SetupError, agree
+from ..optim import Optimization
+from ..runtime.comm_hooks import PowerSGD
+from ..runtime.environments import World
+from ..runtime.lifeline import Lifeline
+from . import storage
+from .files import checkpoint_path
+from .folder import CheckpointDir, Staging
+from .resume import (
+    config_differences,
+    gather_rng_states,
+    keep_retention,
+    load_into,
+    pick_checkpoint,
+    restore_position,
+)
+
+
+class Checkpointer:
+    """Saves and resumes one run. `loop_state` gives the loop's part of a checkpoint (its
+    position, last loss, tracker run and model selection) at the moment of a save."""
+
+    def __init__(self, cfg: Config, world: World, model: nn.Module, optim: Optimization,
+                 loop_state: Callable[[], dict[str, Any]], device: torch.device,
+                 comm_device: torch.device, lifeline: Lifeline,
+                 comm_hook: PowerSGD | None = None) -> None:
+        self.cfg, self.world, self.model, self.optim = cfg, world, model, optim  # model: unwrapped
+        self.loop_state, self.device, self.comm_device = loop_state, device, comm_device
+        self.lifeline, self.comm_hook = lifeline, comm_hook
+        self.ckpt_dir = (CheckpointDir(cfg.checkpoint_dir, cfg.keep_last, cfg.timeout_s)
+                         if world.is_main else None)
+        self.dcp = None
+        if cfg.model_layout == "fsdp":  # torch.distributed.checkpoint: imported where it is used
+            from . import sharded
+            self.dcp = sharded.ShardedCheckpoints(self.ckpt_dir, cfg.checkpoint_dir,
+                                                  cfg.async_save, comm_device)
+        self.staging = Staging() if cfg.async_save else None
+        self.every_epochs, self.every_steps = cfg.save_every, cfg.save_every_steps
+        self.keep_next = False  # the next save is --keep-best's best so far: never pruned
+        self.resumed_from: str | None = None
+        self.saved_step = -1
+        self._set_aside = False  # other runs' checkpoints moved out of the folder yet?
+        self._stalls_ms: list[float] = []  # how long training stood still for each save
+
+    # ---------------------------------------------------------------- when
+    def maybe_save(self, step: int, last_of_epoch: bool = False, epoch_end: int | None = None,
+                   last: bool = False) -> None:
+        """Save if one is due. After step `step`: every --save-every-steps, except at an epoch's
+        last step (its end comes next); at the end of epoch `epoch_end` (counted from 1): every
+        --save-every epochs; `last`: unless this step is saved already. A new best evaluation
+        (`keep_next`) is saved at the next of these."""
+        if last:
+            due = step != self.saved_step
+        elif epoch_end is not None:
+            due = self.keep_next or (self.every_epochs > 0 and epoch_end % self.every_epochs == 0)
+        else:
+            due = self.keep_next or (self.every_steps > 0 and step % self.every_steps == 0
+                                     and not last_of_epoch)
+        if due:
+            self.save(step)
+
+    # ---------------------------------------------------------------- saving
+    def save(self, step: int) -> None:
+        """Save step `step` now (every rank)."""
+        started = time.perf_counter()
+        if self.keep_next:  # this step's evaluation is the best so far
+            self.keep_next = False
+            if self.ckpt_dir is not None:
+                self.ckpt_dir.keep_step = step  # beside the newest, never pruned
+        rng = gather_rng_states(self.device, self.comm_device)
+        meta = {**self.loop_state(), "world_size": self.world.world_size,
+                "batch_size": self.cfg.batch_size, "grad_accum": self.cfg.grad_accum,
+                "optim": self.optim.state_dict(), "config": self.cfg.to_dict()}
+        if self.dcp is not None:
+            ema, meta["has_ema"] = self.optim.ema, self.optim.ema is not None
+            self.dcp.save(self.model, self.optim.optimizer, rng, meta, step, self._prepare_folder,
+                          ema and {"ema": ema.state_dict()})
+        else:
+            if self.comm_hook is not None:  # every rank's part: a collective
+                meta["comm_hook"] = self.comm_hook.state_dict(self.comm_device)
+            agree(lambda: self._write_file(rng, meta, step), self.comm_device)
+        self.saved_step = step
+        self._stalls_ms.append(1000 * (time.perf_counter() - started))
+
+    def _write_file(self, rng: torch.Tensor, meta: dict[str, Any], step: int) -> None:
+        self._prepare_folder()
+        state = {"model": self.model.state_dict(), "optimizer": self.optim.optimizer.state_dict(),
+                 "rng": rng, **meta}
+        if self.optim.ema is not None:
+            state["ema"] = self.optim.ema.state_dict()
+        if self.staging is None:
+            self.ckpt_dir.save_file(state, step)
+        else:
+            self.ckpt_dir.save_file_in_background(state, step, self.staging)
+
+    def _prepare_folder(self) -> None:
+        """Rank 0, before this run's first save: other runs' checkpoints move aside."""
+        if not self._set_aside:
+            moved = self.ckpt_dir.set_aside(storage.location(self.resumed_from)
+                                            if self.resumed_from else None)
+            if moved:
+                print(f"note: moved checkpoints of another run (or later than the one resumed) "
+                      f"to {moved}", flush=True)
+            self._set_aside = True
+
+    def finish(self) -> None:
+        """Wait for a background save (and learn its outcome) before the process ends."""
+        if self.dcp is not None:
+            self.dcp.finish()
+        elif self.cfg.async_save:
+            agree(lambda: self.ckpt_dir.wait(), self.comm_device)
+
+    def close(self) -> None:
+        if self.ckpt_dir is not None:
+            self.ckpt_dir.close()
+
+    def newest_good(self) -> str:
+        """The newest checkpoint of this run, as an error line names it."""
+        if self.saved_step < 0:
+            return "no checkpoint was saved yet"
+        newest = checkpoint_path(self.cfg.checkpoint_dir, self.saved_step,
+                                 sharded=self.dcp is not None)
+        return f"the newest good checkpoint is {newest}"
+
+    def summary(self) -> dict[str, Any]:
+        """The checkpoints' part of summary.json."""
+        stalls = sorted(self._stalls_ms)
+        return {"checkpoint_stall_ms": round(stalls[len(stalls) // 2], 1) if stalls else None,
+                "checkpoint_stall_ms_max": round(stalls[-1], 1) if stalls else None,
+                "checkpoint_saves": len(stalls), "async_save": self.cfg.async_save,
+                "resumed_from": self.resumed_from,
+                "checkpoint_dir": str(storage.location(self.cfg.checkpoint_dir))}
+
+    # ---------------------------------------------------------------- resuming
+    def resume(self, batches_per_epoch: int) -> dict[str, Any] | None:
+        """Apply --resume: rank 0 takes the checkpoint folder and chooses; every rank loads.
+        Returns the checkpoint's metadata with `position`, the (epoch, batch, step) to go on
+        from; None when there is nothing to resume."""
+        with self.lifeline.waiting("rank 0 to open --checkpoint-dir and choose a checkpoint",
+                                   "check that rank 0 is alive and its storage answers",
+                                   phase="checkpoint I/O"):
+            choice = agree(self._open_and_pick, self.comm_device)
+        if choice is None:
+            return None
+        path = storage.location(choice)
+        meta = self._load(path)
+        epoch, batch, step = restore_position(meta, self.cfg, self.world.world_size,
+                                              batches_per_epoch, path, say=self.world.is_main)
+        self.resumed_from, self.saved_step = str(path), step
+        for saver in (self.ckpt_dir, self.dcp):  # what an error names as the newest checkpoint
+            if saver is not None:
+                saver.saved = path
+        if self.world.is_main:
+            print(f"resumed from {path} (epoch {epoch}, batch {batch}, step {step})", flush=True)
+        retention = keep_retention(self.cfg, meta.get("config", {}))  # every rank: same cfg
+        if self.ckpt_dir is not None:
+            self.ckpt_dir.keep_last = self.cfg.keep_last
+            self.ckpt_dir.keep_step = (meta.get("selection") or {}).get("best", {}).get("step")
+        if self.world.is_main:
+            changed = config_differences(meta.get("config", {}), self.cfg.to_dict())
+            if changed:
+                print(f"note: settings that differ from the checkpoint's run: {'; '.join(changed)}",
+                      flush=True)
+            for note in retention:
+                print(f"note: {note}", flush=True)
+        return {**meta, "position": (epoch, batch, step)}
+
+    def _open_and_pick(self) -> str | None:
+        self.ckpt_dir.open()
+        # Parameters and AdamW's two moments, 4 bytes each: what one checkpoint needs on disk.
+        self.ckpt_dir.check_space(12 * sum(p.numel() for p in self.model.parameters()))
+        path = pick_checkpoint(self.cfg.resume, self.cfg.checkpoint_dir)
+        return None if path is None else str(path)
+
+    def _load(self, path: storage.AnyPath) -> dict[str, Any]:
+        """Every rank: the checkpoint into the model, optimizer, schedule, EMA and comm hook."""
+        try:
+            meta = load_into(path, self.model, self.optim.optimizer, self.world.world_size,
+                             self.world.rank, self.cfg.batch_size, self.device, self.optim.ema)
+        except SetupError:
+            raise
+        except Exception as exc:  # its metadata read, but not all loads
+            raise SetupError(f"cannot load checkpoint {path} ({type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[0] if str(exc) else ''}); use "
+                             "--resume with an older one, or --resume never",
+                             everywhere=True) from exc
+        self.optim.load_state_dict(meta["optim"])
+        if self.comm_hook is not None and meta.get("comm_hook") is not None:
+            note = self.comm_hook.load_state_dict(meta["comm_hook"], self.world.rank,
+                                                  self.world.world_size)
+            if note and self.world.is_main:
+                print(f"note: {note}", flush=True)
+        return meta

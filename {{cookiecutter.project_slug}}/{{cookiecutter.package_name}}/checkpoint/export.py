@@ -1,0 +1,79 @@
+"""Exports: any checkpoint (file, folder, URL) as one file that loads with `weights_only=True`.
+
+    python -m {{ cookiecutter.package_name }}.checkpoint export SRC OUT.pt
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..ema import model_state
+from ..failures import SetupError
+from . import storage
+from .files import load_checkpoint, read_meta, unreadable, write_file
+from .storage import AnyPath
+
+
+def export(source: AnyPath, output: AnyPath, raw_weights: bool = False) -> None:
+    """Any checkpoint (file or folder) as one file that loads with `weights_only=True`: `model`
+    (the plain state_dict: the EMA's weights if the run kept one, unless `raw_weights`), which
+    weights those are, epoch, step, world_size and config."""
+    model, meta = model_and_meta(source, raw_weights)
+    keep = ("epoch", "step", "world_size", "config", "weights")
+    write_file({"model": model, **{k: meta[k] for k in keep if k in meta}}, output)
+
+
+def model_and_meta(source: AnyPath, raw_weights: bool = False) -> tuple[dict[str, Any],
+                                                                         dict[str, Any]]:
+    """The plain model state_dict of any checkpoint (file, folder or export) and its metadata
+    (with `weights`: "ema" or "raw"). A checkpoint with an EMA gives the EMA's weights unless
+    `raw_weights`."""
+    try:
+        found = source.exists()
+    except OSError as exc:  # object storage: credentials, endpoint
+        raise SetupError(f"{source}: {storage.diagnosis(str(source), exc)}") from None
+    if not found:
+        raise SetupError(f"{source}: no such file or folder")
+    why = unreadable(source)
+    if why:
+        raise SetupError(f"{source}: cannot load it ({why})")
+    if source.is_dir():
+        state, meta = load_full_state(storage.local_copy(source)), read_meta(source)
+    else:
+        state = meta = load_checkpoint(source)
+    averaged = bool(state.get("ema")) and not raw_weights
+    return model_state(state, raw_weights), {**meta, "weights": "ema" if averaged else
+                                             meta.get("weights", "raw")}
+
+
+def load_full_state(path: Path) -> dict[str, Any]:
+    """A checkpoint folder's state with whole tensors, without a process group (export)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(str(path), str(whole))
+        return load_checkpoint(whole)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    exp = sub.add_parser("export", help="write any checkpoint as one weights_only file")
+    exp.add_argument("source", help="a checkpoint file or folder: a path or a URL")
+    exp.add_argument("output", help="the file to write: a path or a URL")
+    exp.add_argument("--raw-weights", action="store_true",
+                     help="the model's own weights, not the EMA's (for a run with --ema-decay)")
+    args = parser.parse_args(argv)
+    try:
+        export(storage.given(args.source), storage.given(args.output), args.raw_weights)
+    except SetupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(args.output)
+    return 0
