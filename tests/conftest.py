@@ -80,7 +80,7 @@ def expected_files(package: str, answers: dict) -> set[str]:
         "parallel", "plan", "resume", "settings", "sharded", "storage", "task", "train", "trainer")}
     files |= {f"{package}/runtime/{name}.py" for name in (
         "__init__", "backstop", "comm_hooks", "environments", "lifeline", "nccl", "network", "rendezvous", "trackers",
-        "workarounds")}
+        "workarounds", "workers")}
     if answers.get("slurm", True):
         files |= {"scripts/slurm/torchrun.sbatch", "scripts/slurm/srun.sbatch",
                   "tests/test_slurm.py"}

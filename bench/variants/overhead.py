@@ -24,7 +24,7 @@ from common import finish, make_optimizer
 from ddp_project.config import parse_args
 from ddp_project.runtime.environments import World
 from ddp_project.runtime.lifeline import Lifeline
-from ddp_project.task import MLP, synthetic_regression
+from ddp_project.task import MLP, Settings, synthetic_regression
 from ddp_project.train import train_on
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -38,7 +38,7 @@ def step_stats(ends: list[float]) -> tuple[float, float]:
 
 
 def ours(argv: list[str], world: World, lifeline: Lifeline, step_times: str) -> tuple[float, float]:
-    train_on(parse_args(argv), world, "gloo", [torch.device("cpu")], lifeline)
+    train_on(parse_args(argv, Settings), world, "gloo", [torch.device("cpu")], lifeline)
     with open(step_times) as f:
         return step_stats(json.load(f)["step_ends"])
 

@@ -31,7 +31,6 @@ from .data import (
     build_loader,
     place_on_device,
     validation_batches,
-    worker_context,
 )
 from .evaluation import Evaluator
 from .failures import (
@@ -59,6 +58,7 @@ from .runtime.rendezvous import (
     resolve_rendezvous,
 )
 from .runtime.workarounds import exit_process, stop_stuck_agent
+from .runtime.workers import worker_context
 from .trainer import Data, Runtime, Trainer
 
 STARTED_AT = time.time()  # when this process imported the code: the start of "time to first step"
@@ -318,7 +318,7 @@ def _wait_for_workers(processes: list, stop: list[int]) -> int:
 
 def main(argv: list[str] | None = None, train_fn: TrainFn = train_on) -> int:
     """Parse the flags and train (`train_fn`: what each process runs once its group started)."""
-    cfg = parse_args(argv)
+    cfg = parse_args(argv, getattr(task, "Settings", None))
     try:
         # Projects made with replica groups start them with their own entry point: a plain run
         # refuses their variables.
