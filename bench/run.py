@@ -285,7 +285,7 @@ def token_costs(project: Path, workload: dict) -> dict:
             "from ddp_project import task\n"
             "from ddp_project.config import parse_args\n"
             "from ddp_project.meters import peak_flops\n"
-            "cfg = parse_args(sys.argv[1:])\n"
+            "cfg = parse_args(sys.argv[1:], task.Settings)\n"
             "with torch.device('meta'):\n"
             "    model = task.build_model(cfg)\n"
             "gpu = torch.cuda.is_available()\n"

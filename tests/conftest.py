@@ -82,7 +82,7 @@ def expected_files(package: str, answers: dict) -> set[str]:
         "__init__", "__main__", "checkpointer", "export", "files", "folder", "resume", "sharded", "storage")}
     files |= {f"{package}/runtime/{name}.py" for name in (
         "__init__", "backstop", "comm_hooks", "environments", "launch", "lifeline", "nccl", "network", "rendezvous",
-        "trackers", "workarounds")}
+        "trackers", "workarounds", "workers")}
     if answers.get("slurm", True):
         files |= {"scripts/slurm/torchrun.sbatch", "scripts/slurm/srun.sbatch",
                   "tests/test_slurm.py"}

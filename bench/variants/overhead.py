@@ -25,7 +25,7 @@ from ddp_project.config import parse_args
 from ddp_project.main import work
 from ddp_project.runtime.environments import World
 from ddp_project.runtime.lifeline import Lifeline
-from ddp_project.task import MLP, synthetic_regression
+from ddp_project.task import MLP, Settings, synthetic_regression
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 WARMUP_STEPS = 20  # dropped, as everywhere in the benchmark
@@ -38,7 +38,7 @@ def step_stats(ends: list[float]) -> tuple[float, float]:
 
 
 def ours(argv: list[str], world: World, lifeline: Lifeline, step_times: str) -> tuple[float, float]:
-    work(parse_args(argv), world, "gloo", [torch.device("cpu")], lifeline)
+    work(parse_args(argv, Settings), world, "gloo", [torch.device("cpu")], lifeline)
     with open(step_times) as f:
         return step_stats(json.load(f)["step_ends"])
 

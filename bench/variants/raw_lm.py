@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from common import StepClock, finish, make_optimizer, write_result
 from ddp_project.config import parse_args
-from ddp_project.task import build_model
+from ddp_project.task import Settings, build_model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 p = argparse.ArgumentParser()
@@ -40,7 +40,7 @@ torch.manual_seed(1337 + rank)
 # The same model as ours: built by the task from the same settings.
 cfg = parse_args([f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                   if k in ("hidden_size", "num_layers", "num_heads", "seq_len", "vocab_size")]
-                 + (["--tie-embeddings"] if args.tie_embeddings else []))
+                 + (["--tie-embeddings"] if args.tie_embeddings else []), Settings)
 model = build_model(cfg).to(device)
 optimizer = make_optimizer(model.parameters(), device)
 if args.compile:

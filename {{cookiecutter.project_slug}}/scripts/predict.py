@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
             raise SetupError("task.py has no predict(model, inputs, cfg); add one (see the "
                              "example tasks)")
         state, meta = model_and_meta(storage.given(argv[0]), raw_weights)
-        cfg = Config.from_dict(meta.get("config", {}))
+        cfg = Config.from_dict(meta.get("config", {}), getattr(task, "Settings", None))
         model = task.build_model(cfg)
         try:
             model.load_state_dict(state)

@@ -194,15 +194,15 @@ EXAMPLE_SETTINGS = ("dataset_size", "hidden_size")
 def why_not_the_example_task() -> str | None:
     """Why the training tests cannot run with this task.py (None when they can)."""
     from {{ cookiecutter.package_name }} import task
-    from {{ cookiecutter.package_name }}.config import parse_args, task_settings
+    from {{ cookiecutter.package_name }}.config import parse_args
 
-    settings = task_settings()
+    settings = getattr(task, "Settings", None)
     declared = {f.name for f in dataclasses.fields(settings)} if settings else set()
     missing = [f"--{name.replace('_', '-')}" for name in EXAMPLE_SETTINGS if name not in declared]
     if missing:
         return f"task.py declares no {' or '.join(missing)}"
     try:
-        task.build_datasets(parse_args(["--dataset-size", "64"]))
+        task.build_datasets(parse_args(["--dataset-size", "64"], settings))
     except (Exception, SystemExit) as exc:
         return f"task.py has no data without --data ({type(exc).__name__}: {exc})".splitlines()[0]
     return None

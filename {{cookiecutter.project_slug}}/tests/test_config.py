@@ -8,7 +8,11 @@ import json
 import pytest
 from conftest import PROJECT_ROOT, ok, python_train, summary
 
-from {{ cookiecutter.package_name }}.config import build_parser, parse_args, task_settings
+from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.config import Config, parse_args
+from {{ cookiecutter.package_name }}.settings import build_parser
+
+SETTINGS = getattr(task, "Settings", None)  # None: a task.py that declares no settings of its own
 
 DOCUMENTED_FLAGS = [
     "--epochs", "--batch-size", "--lr", "--seed", "--data", "--num-workers",
@@ -26,15 +30,14 @@ DOCUMENTED_FLAGS = [
 
 def test_help_documents_every_flag():
     """The project's flags, and each setting of task.py's Settings."""
-    settings = task_settings()
-    fields = dataclasses.fields(settings) if settings else ()
+    fields = dataclasses.fields(SETTINGS) if SETTINGS else ()
     own = [f"--{f.name.replace('_', '-')}" for f in fields]
-    text = build_parser(settings).format_help()
+    text = build_parser(Config, SETTINGS).format_help()
     assert [flag for flag in [*DOCUMENTED_FLAGS, *own] if flag not in text] == []
 
 
 def test_help_gives_each_default_once_and_none_for_lists():
-    parser = build_parser(task_settings())
+    parser = build_parser(Config, SETTINGS)
     formatter = parser.formatter_class(prog="train.py")
     for action in parser._actions:  # argparse keeps them only here
         assert (formatter._get_help_string(action) or "").count("(default:") <= 1, action.dest
@@ -44,8 +47,8 @@ def test_help_gives_each_default_once_and_none_for_lists():
 
 
 def test_both_local_rank_spellings():
-    assert parse_args(["--local-rank=1"]).local_rank == 1
-    assert parse_args(["--local_rank", "2"]).local_rank == 2
+    assert parse_args(["--local-rank=1"], SETTINGS).local_rank == 1
+    assert parse_args(["--local_rank", "2"], SETTINGS).local_rank == 2
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -67,11 +70,16 @@ def test_both_local_rank_spellings():
     (["--comm-hook", "int8"], "invalid choice: 'int8'"),
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb: must be a finite number greater than 0"),
     (["--powersgd-warmup-steps", "1"], "--powersgd-warmup-steps: must be at least 2"),
+    (["--num-workers", "65"], "--num-workers: must be between 0 and 64, got 65"),
+    (["--lr", "11"], "--lr: must be a finite number greater than 0 and at most 10, got 11"),
+    (["--ema-decay", "1"], "--ema-decay: must be 0 (off) or between 0 and 1, e.g. 0.999; got 1"),
+    (["--epochs", "1.5"], "--epochs: invalid integer value: '1.5'"),
+    (["--lr", "fast"], "--lr: invalid number value: 'fast'"),
     (["--static-graph", "--grad-accum", "2"], "--static-graph does not work with --grad-accum"),
 ])
 def test_bad_values_exit_2_with_one_line(argv, says, capsys):
     with pytest.raises(SystemExit) as exc:
-        parse_args(argv)
+        parse_args(argv, SETTINGS)
     assert exc.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
@@ -82,17 +90,18 @@ def test_ddp_options_are_config_file_keys_too(tmp_path):
     path.write_text('model-layout = "data_parallel"\nbucket-cap-mb = 50\nstatic-graph = true\n'
                     'gradient-as-bucket-view = false\ncomm-hook = "powersgd"\n'
                     'powersgd-rank = 2\n')
-    cfg = parse_args(["--config", str(path)])
+    cfg = parse_args(["--config", str(path)], SETTINGS)
     assert (cfg.bucket_cap_mb, cfg.static_graph, cfg.gradient_as_bucket_view) == (50.0, True, False)
     assert (cfg.comm_hook, cfg.powersgd_rank) == ("powersgd", 2)
-    assert parse_args(["--config", str(path), "--comm-hook", "none"]).comm_hook == "none"
+    cfg = parse_args(["--config", str(path), "--comm-hook", "none"], SETTINGS)
+    assert cfg.comm_hook == "none"
 
 
 def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('epochs = 7\nbatch-size = 8\nlr = 1e-4\nno-progress = true\n'
                     'stage-devices = ["cpu", "cpu"]\nmodel-layout = "model_parallel_2"\n')
-    cfg = parse_args(["--config", str(path), "--epochs", "2"])
+    cfg = parse_args(["--config", str(path), "--epochs", "2"], SETTINGS)
     assert (cfg.epochs, cfg.batch_size, cfg.lr, cfg.progress) == (2, 8, 1e-4, False)
     assert cfg.stage_devices == ["cpu", "cpu"] and cfg.config == str(path)
 
@@ -112,7 +121,7 @@ def test_bad_config_files_exit_2_naming_the_key(tmp_path, text, says, capsys):
     path = tmp_path / "run.toml"
     path.write_text(text + "\n")
     with pytest.raises(SystemExit) as exc:
-        parse_args(["--config", str(path)])
+        parse_args(["--config", str(path)], SETTINGS)
     lines = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(lines) == 1 and says in lines[0], lines
 
@@ -122,7 +131,7 @@ def test_the_example_config_trains_and_the_resolved_values_are_saved(workdir):
     ok(python_train(["--config", str(config), "--epochs", "1", "--dataset-size", "64"], workdir))
     saved = json.loads((workdir / "runs/latest/config.json").read_text())
     assert saved["epochs"] == 1 and saved["config"] == str(config)
-    assert saved["lr_schedule"] == parse_args(["--config", str(config)]).lr_schedule
+    assert saved["lr_schedule"] == parse_args(["--config", str(config)], SETTINGS).lr_schedule
     assert summary(workdir / "runs/latest")["epochs_completed"] == 1
 
 
@@ -136,49 +145,53 @@ def test_a_setting_that_does_nothing_with_another_flag_is_a_warning(tmp_path, ca
                                                                    example_task):
     data = tmp_path / "data"
     data.mkdir()
-    parse_args(["--data", str(data), "--dataset-size", "10"])
+    parse_args(["--data", str(data), "--dataset-size", "10"], SETTINGS)
     assert f"warning: --dataset-size 10 has no effect with --data {data}" in capsys.readouterr().err
-    parse_args(["--data", str(data)])  # left at its default: nothing to say
-    parse_args(["--dataset-size", "10"])
+    parse_args(["--data", str(data)], SETTINGS)  # left at its default: nothing to say
+    parse_args(["--dataset-size", "10"], SETTINGS)
     assert "warning" not in capsys.readouterr().err
 
 
 def test_ddp_flags_that_do_nothing_with_the_other_answers_are_warnings(capsys):
-    parse_args(["--model-layout", "fsdp", "--bucket-cap-mb", "50", "--comm-hook", "bf16"])
+    parse_args(["--model-layout", "fsdp", "--bucket-cap-mb", "50", "--comm-hook", "bf16"],
+               SETTINGS)
     assert capsys.readouterr().err.splitlines() == [
         "warning: --bucket-cap-mb has no effect with --model-layout fsdp (FSDP exchanges "
         "gradients itself, without DDP)",
         "warning: --comm-hook has no effect with --model-layout fsdp (FSDP exchanges gradients "
         "itself, without DDP)"]
-    parse_args(["--model-layout", "data_parallel", "--powersgd-rank", "4"])
+    parse_args(["--model-layout", "data_parallel", "--powersgd-rank", "4"], SETTINGS)
     assert capsys.readouterr().err.splitlines() == [
         "warning: --powersgd-rank has no effect without --comm-hook powersgd"]
     cfg = parse_args(["--model-layout", "data_parallel", "--comm-hook", "powersgd",
-                      "--powersgd-rank", "4", "--static-graph"])
+                      "--powersgd-rank", "4", "--static-graph"], SETTINGS)
     assert capsys.readouterr().err == ""
     assert (cfg.comm_hook, cfg.powersgd_rank, cfg.static_graph) == ("powersgd", 4, True)
     assert cfg.gradient_as_bucket_view and cfg.bucket_cap_mb is None  # the defaults (DDP's)
 
 
 def test_run_name_puts_outputs_and_checkpoints_in_folders_of_their_own():
-    cfg = parse_args(["--run-name", "lr-sweep-1"])
+    cfg = parse_args(["--run-name", "lr-sweep-1"], SETTINGS)
     assert (cfg.output_dir, cfg.checkpoint_dir) == ("runs/lr-sweep-1", "checkpoints/lr-sweep-1")
-    cfg = parse_args(["--run-name", "a", "--output-dir", "elsewhere"])  # given: it wins
+    cfg = parse_args(["--run-name", "a", "--output-dir", "elsewhere"], SETTINGS)  # given: it wins
     assert (cfg.output_dir, cfg.checkpoint_dir) == ("elsewhere", "checkpoints/a")
-    cfg = parse_args([])
+    cfg = parse_args([], SETTINGS)
     assert (cfg.output_dir, cfg.checkpoint_dir) == ("runs/latest", "checkpoints")
     with pytest.raises(SystemExit):
-        parse_args(["--run-name", "../up"])
+        parse_args(["--run-name", "../up"], SETTINGS)
 
 
 def test_keep_best_and_early_stop_say_which_way_is_better(capsys):
-    assert parse_args(["--keep-best", "val_accuracy:max"]).keep_best == "val_accuracy:max"
-    assert parse_args(["--keep-best", "loss"]).keep_best == "loss"  # a loss: lower is better
-    assert parse_args(["--early-stop", "val_loss:3"]).early_stop == "val_loss:3"
+    def parse(argv: list[str]) -> Config:
+        return parse_args(argv, SETTINGS)
+
+    assert parse(["--keep-best", "val_accuracy:max"]).keep_best == "val_accuracy:max"
+    assert parse(["--keep-best", "loss"]).keep_best == "loss"  # a loss: lower is better
+    assert parse(["--early-stop", "val_loss:3"]).early_stop == "val_loss:3"
     for flags, says in ((["--keep-best", "val_accuracy"], "val_accuracy:max or val_accuracy:min"),
                         (["--keep-best", "val_accuracy:up"], "expected METRIC, METRIC:max"),
                         (["--early-stop", "val_loss"], "expected METRIC[:max|min]:PATIENCE"),
                         (["--early-stop", "val_loss:0"], "PATIENCE at least 1")):
         with pytest.raises(SystemExit):
-            parse_args(flags)
+            parse(flags)
         assert says in capsys.readouterr().err

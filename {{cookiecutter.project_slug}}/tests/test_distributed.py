@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import write_store_file
 
+from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.doctor import traps
 from {{ cookiecutter.package_name }}.failures import SetupError
@@ -248,7 +249,7 @@ def test_windows_path_trains_with_platform_patched(monkeypatch, tmp_path: Path, 
     monkeypatch.delenv("USE_LIBUV", raising=False)
     monkeypatch.chdir(tmp_path)
     cfg = parse_args(["--epochs", "1", "--dataset-size", "64", "--no-progress", "--init-method",
-                      "env", "--hidden-size", "8"])
+                      "env", "--hidden-size", "8"], task.Settings)
     summary = run(cfg, World(0, 0, 1, 1, "none", "127.0.0.1", find_free_port(), "win-test"),
                   work)
     assert summary["backend"] == "gloo" and summary["steps"] == 2

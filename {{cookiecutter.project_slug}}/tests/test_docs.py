@@ -71,7 +71,6 @@ FOLDERS = [PROJECT_ROOT, *sorted({p.parent for p in PACKAGE.rglob("*.py")}), *(
                                      "k8s"))]
 # Words that look like pointers but stand for whatever the reader chooses.
 PLACEHOLDERS = {
-    "run.toml",  # config.py: `--config run.toml`, a config file of the user's own
     "file.txt",  # README (language_model): `--data file.txt`, the user's own text
     "--flag", "--name", "--no-name",  # config.py and the tasks: "each field is a --flag"
 }
@@ -184,10 +183,12 @@ def script_main(name: str) -> Callable[[list[str]], object]:
 def flags(pytestconfig) -> dict[str, Callable[[str], bool]]:
     """For each command the docs may name: whether a flag is one of its own."""
     config = importlib.import_module(f"{PACKAGE.name}.config")
+    settings = importlib.import_module(f"{PACKAGE.name}.settings")
+    task = importlib.import_module(f"{PACKAGE.name}.task")
     doctor = importlib.import_module(f"{PACKAGE.name}.doctor")
     export = importlib.import_module(f"{PACKAGE.name}.checkpoint.export")
-    train = options(config.build_parser(config.task_settings()))
-    doctor_parser = config.build_parser(config.task_settings())
+    train = options(settings.build_parser(config.Config, getattr(task, "Settings", None)))
+    doctor_parser = settings.build_parser(config.Config, getattr(task, "Settings", None))
     doctor.add_plan_flags(doctor_parser)
     known: dict[str, set[str]] = {
         "train.py": train,

@@ -106,7 +106,7 @@ def val_metrics(cfg: Config, weights: dict[str, torch.Tensor]) -> dict[str, floa
 def test_evaluation_reports_the_average_and_the_raw_weights(workdir):
     ok(python_train([*SMALL, "--epochs", "1", "--keep-best", "val_loss"], workdir))
     state = load_state(list_checkpoints(workdir / "checkpoints")[0])
-    cfg = Config.from_dict(state["config"])
+    cfg = Config.from_dict(state["config"], task.Settings)
     averaged = val_metrics(cfg, {**state["model"], **state["ema"]})
     raw = val_metrics(cfg, state["model"])
     reported = read_metrics(workdir / "runs/latest", key="val_loss")[-1]

@@ -70,7 +70,8 @@ def test_grad_accumulation_exchanges_gradients_once_per_group(tmp_path, monkeypa
         cfg = parse_args([*SMALL, "--model-layout", "data_parallel", "--batch-size", "8",
                           "--dataset-size", "256", "--epochs", "1",
                           "--no-progress", "--grad-accum", str(accum), "--checkpoint-dir",
-                          f"c{accum}", "--output-dir", f"r{accum}", "--val-fraction", "0"])
+                          f"c{accum}", "--output-dir", f"r{accum}", "--val-fraction", "0"],
+                         task.Settings)
         done = run(cfg, World(0, 0, 1, 1, "none", "127.0.0.1", find_free_port(), f"a{accum}"),
                    work)
         steps[accum] = (len(calls), done["steps"])
@@ -138,7 +139,7 @@ def test_distributed_evaluation_equals_the_single_process_value(workdir):
     evals = read_metrics(workdir / "runs/latest", "val_loss")
     assert [e["epoch"] for e in evals] == [0, 1]
     reported = summary(workdir / "runs/latest")
-    cfg = parse_args(args)
+    cfg = parse_args(args, task.Settings)
     _, val = task.build_datasets(cfg)
     assert len(val) == 111
     model = task.build_model(cfg)

@@ -80,7 +80,8 @@ from {{ cookiecutter.package_name }}.parallel import parallelize
 from {{ cookiecutter.package_name }}.runtime.workarounds import exit_process
 
 dist.init_process_group("gloo")
-cfg = parse_args(["--hidden-size", "16", "--model-layout", "fsdp", "--shard-group-size", "2"])
+cfg = parse_args(["--hidden-size", "16", "--model-layout", "fsdp", "--shard-group-size", "2"],
+                 task.Settings)
 model = parallelize(task.build_model(cfg), cfg, [torch.device("cpu")], task, False)
 shards = {name: [list(p.shape), list(p.to_local().shape), list(p.device_mesh.shape)]
           for name, p in model.named_parameters()}

@@ -43,7 +43,8 @@ needs_blocks = pytest.mark.skipif(not hasattr(task, "blocks"), reason="model_par
 
 def first_batch(size: int):
     """A batch of the task's training data, made the way the project makes them."""
-    train_set, _ = task.build_datasets(parse_args(["--dataset-size", "16", "--val-fraction", "0"]))
+    cfg = parse_args(["--dataset-size", "16", "--val-fraction", "0"], task.Settings)
+    train_set, _ = task.build_datasets(cfg)
     return BatchFetcher(train_set, getattr(task, "collate", None)).__getitems__(
         (0, torch.arange(size)))
 
@@ -51,7 +52,7 @@ def first_batch(size: int):
 @needs_blocks
 def test_split_model_computes_what_the_single_device_model_computes(example_task):
     torch.manual_seed(0)
-    cfg = parse_args(["--hidden-size", "16", "--num-layers", "3"])
+    cfg = parse_args(["--hidden-size", "16", "--num-layers", "3"], task.Settings)
     single = task.build_model(cfg).eval()
     split = task.build_model(cfg)
     split.load_state_dict(single.state_dict())
@@ -143,11 +144,12 @@ def local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 dist.init_process_group("gloo")
-cfg = parse_args(["--hidden-size", "64", "--model-layout", sys.argv[1]])
+cfg = parse_args(["--hidden-size", "64", "--model-layout", sys.argv[1]], task.Settings)
 torch.manual_seed(0)
 model = parallelize(task.build_model(cfg), cfg, [torch.device("cpu")], task, True)
 optimizer = torch.optim.AdamW(model.parameters())
-train_set, _ = task.build_datasets(parse_args(["--dataset-size", "16", "--val-fraction", "0"]))
+train_set, _ = task.build_datasets(parse_args(["--dataset-size", "16", "--val-fraction", "0"],
+                                              task.Settings))
 batch = BatchFetcher(train_set, getattr(task, "collate", None)).__getitems__((0, torch.arange(8)))
 task.loss_fn(model, batch).backward()
 optimizer.step()
@@ -231,7 +233,7 @@ def test_fsdp_checkpoint_exports_to_the_plain_model(workdir):
     ok(run_cmd([sys.executable, "-m", "{{ cookiecutter.package_name }}.checkpoint",
                 "export", str(workdir / "checkpoints/ckpt_step00000008"), str(out)], PROJECT_ROOT))
     exported = torch.load(out, map_location="cpu", weights_only=True)
-    model = task.build_model(parse_args(QUICK))
+    model = task.build_model(parse_args(QUICK, task.Settings))
     model.load_state_dict(exported["model"])  # every key, every shape
     assert exported["step"] == 8 and exported["world_size"] == 2
 

@@ -11,6 +11,7 @@ import torch
 from conftest import PROJECT_ROOT, needs_numpy, ok, run_cmd, torchrun_cmd
 from torch import nn
 
+from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.doctor import main as doctor
 from {{ cookiecutter.package_name }}.plan import EXACT, human_size, saved_bytes, static_memory
@@ -59,12 +60,12 @@ def test_the_plans_figures_are_what_a_two_process_run_holds(workdir, layout):
     # An odd width: fsdp splits 15 rows 8 + 7, and the plan gives the fullest rank.
     flags = ["--dataset-size", "256", "--hidden-size", "15", "--batch-size", "8",
              "--model-layout", layout, "--max-steps", "1", "--val-fraction", "0"]
-    if hasattr(parse_args([]).task, "num_heads"):  # the language model: heads split the width
+    if hasattr(task.Settings, "num_heads"):  # the language model: heads split the width
         flags += ["--num-heads", "5"]
     (workdir / "count.py").write_text(COUNT)
     ok(run_cmd([*torchrun_cmd(2), str(workdir / "count.py"), "--no-progress", *flags], workdir))
     ranks = [json.loads((workdir / f"count{rank}.json").read_text()) for rank in (0, 1)]
-    planned = static_memory(parse_args(flags), layout, 2)[0][0]
+    planned = static_memory(parse_args(flags, task.Settings), layout, 2)[0][0]
     assert {part: max(r[part] for r in ranks) for part in EXACT} == {
         part: planned[part] for part in EXACT}
     assert (ranks[0] != ranks[1]) == (layout == "fsdp"), ranks
@@ -74,10 +75,11 @@ def test_a_plan_for_64_processes_runs_on_this_cpu(workdir):
     result = ok(run_cmd([*DOCTOR, "--plan", "--world-size", "64", "--gpu-memory-gb", "80"],
                         PROJECT_ROOT, timeout=300))
     assert "plan: 64 processes, 80 GB per GPU" in result.stdout
-    whole = static_memory(parse_args([]), "data_parallel", 64)[0][0]
+    whole = static_memory(parse_args([], task.Settings), "data_parallel", 64)[0][0]
     # fsdp on 8 nodes of 8: --shard-group-size 0 shards over a node (HSDP); 64 over every rank.
-    hsdp = static_memory(parse_args([]), "fsdp", 64, 8)[0][0]
-    fsdp = static_memory(parse_args(["--shard-group-size", "64"]), "fsdp", 64, 8)[0][0]
+    hsdp = static_memory(parse_args([], task.Settings), "fsdp", 64, 8)[0][0]
+    every_rank = parse_args(["--shard-group-size", "64"], task.Settings)
+    fsdp = static_memory(every_rank, "fsdp", 64, 8)[0][0]
     assert fsdp["parameters"] < hsdp["parameters"] / 4 < whole["parameters"] / 4 / 4
     rows = {line.split("  ")[0]: line for line in result.stdout.splitlines()}
     for part in EXACT:

@@ -1,36 +1,30 @@
 """Batches from any map-style Dataset, sharded across ranks.
 
-- `ShardedBatchSampler` decides which samples each rank trains on: a new shuffle every epoch
-  (`set_epoch`, the step people forget), shards padded so every rank gets the same number of
-  batches, and a start batch so a resumed run skips what it already trained without loading it.
-- `BatchFetcher` turns one batch of indices into a batch: a data set with `__getitems__` is asked
-  for the whole batch at once (in-memory tensors: one gather instead of one call per sample),
-  any other one sample by sample, then `collate`.
-- `build_loader` runs the fetcher in this process (`--num-workers 0`, no DataLoader bookkeeping)
-  or in DataLoader worker processes. In workers, each batch's random numbers are seeded from
-  (seed, rank, epoch, batch), so random augmentation does not depend on which worker made the
-  batch or on whether the run was resumed.
-- On a GPU, `DevicePrefetcher` copies batches to the device on a stream of their own, overlapping
-  the steps before them, and `place_on_device` keeps in-memory data that fits on the device (no
-  copy at all). On the CPU neither does anything.
+- `ShardedBatchSampler`: which samples each rank trains on; a new shuffle every epoch (`set_epoch`,
+  the step people forget), shards padded to the same number of batches on every rank, and a
+  start batch, so a resumed run skips what it already trained without loading it.
+- `BatchFetcher`: one batch of indices into a batch; a data set with `__getitems__` is asked for
+  the whole batch at once (in-memory tensors: one gather), any other one sample by sample.
+- `build_loader`: the fetcher in this process or in worker processes, each batch's random
+  numbers seeded from (seed, rank, epoch, batch), so random augmentation does not depend on
+  which worker made the batch or on whether the run was resumed.
+- On a GPU, `DevicePrefetcher` copies batches ahead on a stream of their own, and
+  `place_on_device` keeps in-memory data that fits on the device (no copy at all).
 """
 
 from __future__ import annotations
 
 import math
-import multiprocessing
-import os
 import random
-import signal
 import sys
 from collections.abc import Callable, Iterator
-from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
 from .failures import SetupError
+from .runtime.workers import worker_loader
 
 
 class InMemoryDataset(Dataset):
@@ -194,12 +188,9 @@ class WorkerError:
 class InProcessLoader:
     """Batches made in the training process: what `DataLoader(num_workers=0)` does with our
     sampler, without its per-batch bookkeeping (about 20 us a step, a few percent of a small
-    model's step).
-
-    On a GPU, DevicePrefetcher pins its batches: one more host copy on the training thread, which
-    buys a copy to the device that overlaps the step (from ordinary memory it would not). With
-    `--num-workers`, DataLoader's pin thread does that beside training.
-    """
+    model's step). On a GPU, DevicePrefetcher pins them: one more host copy on the training
+    thread, which buys a copy to the device that overlaps the step (from unpinned memory it would
+    not)."""
 
     def __init__(self, fetcher: BatchFetcher, batches: Any) -> None:
         self.fetcher, self.batches = fetcher, batches
@@ -212,86 +203,17 @@ class InProcessLoader:
             yield self.fetcher.__getitems__(key)
 
 
-def _as_is(batch: Any) -> Any:
-    return batch  # the fetcher already collated (a module-level function: workers pickle it)
-
-
-# Stop signals a launcher may send to every process of the job: torchrun and `docker stop` signal
-# the whole process group, SLURM every process of the step. They are meant for the training
-# process, which then saves at its next log step: a data worker (or the forkserver that starts
-# them) ended by one would take the batches that step needs with it. Blocked, not ignored, so
-# the worker's stop signals wait in the kernel and SIGKILL still ends it.
-WORKER_BLOCKED = {getattr(signal, name) for name in ("SIGTERM", "SIGUSR1")
-                  if hasattr(signal, name)}
-
-
-def _worker_init(worker_id: int) -> None:
-    # Workers leave stop signals to the training process, which shuts them down itself.
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):  # not on Windows, where nothing signals a group
-        signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_BLOCKED)
-    # A forkserver child inherits the write end of the pipe by which the forkserver learns that
-    # the training process is gone. Holding it, the workers kept the forkserver alive after a
-    # SIGKILL of the training process, and the forkserver (their parent) kept them alive:
-    # leftover processes that held the job's stdout open forever. Without it the forkserver
-    # exits with the training process and the workers notice their parent is gone.
-    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
-    if getattr(server, "_forkserver_alive_fd", None) is not None:
-        os.close(server._forkserver_alive_fd)
-        server._forkserver_alive_fd = None
-
-
-def worker_context() -> Any:
-    """The forkserver start method (None on Windows, which spawns), its server started now.
-
-    The server imports torch once and forks each worker from that; started at launch, its
-    import (1-2 s) runs while this process joins its peers and builds the data and the model,
-    instead of holding up the first batch.
-    """
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return None
-    multiprocessing.set_forkserver_preload(["torch"])  # workers start with torch imported
-    context = multiprocessing.get_context("forkserver")
-    # The server inherits the blocked stop signals across its exec, and its workers from it: a
-    # SIGTERM that reaches it before a worker's _worker_init runs is held too. Here they wait
-    # only for as long as the server takes to start, then are delivered.
-    # The resource tracker too, which the server needs: starting it unblocks SIGTERM, hence the
-    # block before each.
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_BLOCKED)
-    try:
-        for server in (resource_tracker, forkserver):
-            signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_BLOCKED)
-            server.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    return context
-
-
 def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_workers: int,
                  device: torch.device) -> InProcessLoader | DataLoader | DevicePrefetcher:
-    """A loader over `batches` (a ShardedBatchSampler or FixedBatches) of `dataset`; on a GPU it
-    prefetches to the device.
-
-    Worker processes start from a forkserver, not by forking the training process: its gloo and
-    NCCL threads can hold a lock of the interpreter at the moment of a fork, and the forked worker
-    then waits for it forever (a training run that hangs at its first batch, now and then). So the
-    data set and `collate` must be picklable (as with the spawn start method on macOS and
-    Windows), and a script that starts training needs `if __name__ == "__main__":`.
-    """
+    """A loader over `batches` (a ShardedBatchSampler or FixedBatches) of `dataset`: batches made
+    in this process, or in worker processes (runtime/workers.py; the data set and `collate` must
+    then be picklable); on a GPU it prefetches to the device."""
     fetcher = BatchFetcher(dataset, collate)
     on_gpu = device.type == "cuda"
     if num_workers == 0:
         loader = InProcessLoader(fetcher, batches)
         return DevicePrefetcher(loader, device, ahead=False) if on_gpu else loader
-    # A generator of its own: DataLoader draws its workers' base seed from it whenever an iterator
-    # starts, and from the global one without it. A resumed run starts its iterator at another
-    # step than the run it continues, so dropout (global RNG) would then differ from there on.
-    # Workers are seeded per batch (_worker_init), so this seed changes nothing they draw.
-    loader = DataLoader(fetcher, batch_sampler=batches, collate_fn=_as_is,
-                        num_workers=num_workers, pin_memory=on_gpu, persistent_workers=True,
-                        worker_init_fn=_worker_init, multiprocessing_context=worker_context(),
-                        generator=torch.Generator())
+    loader = worker_loader(fetcher, batches, num_workers, pin_memory=on_gpu)
     return DevicePrefetcher(loader, device, ahead=True) if on_gpu else loader
 
 

@@ -28,12 +28,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .config import Parser, _float, _int, build_parser, parse_args, task_settings
+from . import task
+from .config import Config, parse_args
 from .failures import SetupError, is_communication_failure
 from .plan import plan
 from .runtime.environments import World, resolve_world
 from .runtime.launch import Setup, joined, resolve
 from .runtime.rendezvous import collective_device, resolve_backend
+from .settings import Parser, build_parser, number
 
 ENV_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_",
                 "TORCHELASTIC_", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_JOB_ID",
@@ -123,11 +125,12 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
                    help="print per layout the memory on each GPU of this run at --world-size "
                         "processes, and every setting that is wrong at that size; exit 0 when "
                         "--model-layout fits and nothing is wrong, else 1")
-    g.add_argument("--world-size", type=_int(1), default=None, metavar="N",
+    g.add_argument("--world-size", type=number("int", 1), default=None, metavar="N",
                    help="--plan: the run's number of processes")
-    g.add_argument("--gpu-memory-gb", type=_float(0, False), default=80.0, metavar="GB",
+    g.add_argument("--gpu-memory-gb", type=number("float", 0, above=True), default=80.0,
+                   metavar="GB",
                    help="--plan: memory of each GPU (80: an 80 GB A100 or H100)")
-    g.add_argument("--nproc-per-node", type=_int(1), default=8, metavar="N",
+    g.add_argument("--nproc-per-node", type=number("int", 1), default=8, metavar="N",
                    help="--plan: processes per node (fsdp's --shard-group-size 0 takes a node)")
 
 
@@ -138,11 +141,12 @@ def plan_run(argv: list[str]) -> int:
     flags, rest = parser.parse_known_args(argv)
     if flags.world_size is None:
         parser.fail("--plan needs --world-size N, the number of processes of the run to plan")
-    return plan(parse_args(rest), flags.world_size, flags.gpu_memory_gb, flags.nproc_per_node)
+    cfg = parse_args(rest, getattr(task, "Settings", None))
+    return plan(cfg, flags.world_size, flags.gpu_memory_gb, flags.nproc_per_node)
 
 
 def check(argv: list[str] | None = None) -> int:
-    parser = build_parser(task_settings())  # the same flags as train.py
+    parser = build_parser(Config, getattr(task, "Settings", None))  # the same flags as train.py
     parser.description = ("Preflight: what each process sees, then an all_reduce and a barrier; "
                           "with --plan, whether the run fits at --world-size processes.")
     parser.epilog = ("Exit codes: 0 OK; 1 a check failed (the FAIL: line says what to fix), or "

@@ -442,13 +442,13 @@ def _first_line(exc: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """train_ft.py: main.main, with each process running `work_in_group` above."""
-    return start(parse_args(argv), work_in_group)
+    return start(parse_args(argv, getattr(task, "Settings", None)), work_in_group)
 
 
 def plain_main(argv: list[str] | None = None) -> int:
     """train.py in a project with replica groups: main.main, refusing a replica group's
     variables (train_ft.py starts the groups)."""
-    cfg = parse_args(argv)
+    cfg = parse_args(argv, getattr(task, "Settings", None))
     try:
         refuse_plain_run(os.environ)
     except SetupError as exc:

@@ -26,6 +26,7 @@ from .data import (
 )
 from .evaluation import Evaluator
 from .failures import SetupError
+from .loop import Data, Runtime, Trainer
 from .optim import Optimization
 from .parallel import parallelize
 from .plan import human_size
@@ -35,14 +36,13 @@ from .runtime.launch import start
 from .runtime.lifeline import Lifeline
 from .runtime.rendezvous import collective_device
 from .runtime.workarounds import exit_process
-from .loop import Data, Runtime, Trainer
 
 STARTED_AT = time.time()  # when this process imported the code: the start of "time to first step"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the flags and train: `work` in each process of the run. Returns the exit code."""
-    return start(parse_args(argv), work)
+    return start(parse_args(argv, getattr(task, "Settings", None)), work)
 
 
 def work(cfg: Config, world: World, backend: str, devices: list[torch.device],

@@ -59,7 +59,7 @@ def test_predict_continues_each_prompt(workdir):
 
 
 def test_gpt2_small_is_124m_parameters_and_its_flops_per_token():
-    cfg = parse_args([*GPT2_SMALL, "--model-layout", "data_parallel"])
+    cfg = parse_args([*GPT2_SMALL, "--model-layout", "data_parallel"], task.Settings)
     with torch.device("meta"):  # sizes only: no memory
         model = task.build_model(cfg)
     assert model.head.weight is model.embed.weight

@@ -19,7 +19,7 @@ def test_learns_far_better_than_predicting_the_mean(workdir):
     ok(torchrun(["--dataset-size", "1024", "--batch-size", "16", "--epochs", "3"], workdir))
     losses = [m["loss"] for m in read_metrics(workdir / "runs/latest")]
     assert losses[-1] < 0.5 * losses[0], "the training loss did not fall"
-    _, val = task.build_datasets(parse_args(["--dataset-size", "1024"]))
+    _, val = task.build_datasets(parse_args(["--dataset-size", "1024"], task.Settings))
     chance = val.tensors[1].var().item()  # the mean squared error of always predicting the mean
     final = read_metrics(workdir / "runs/latest", "val_loss")[-1]
     assert final["val_loss"] < 0.3 * chance and final["val_mae"] > 0

@@ -20,7 +20,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..config import Config
-from ..data import worker_context
 from ..failures import (
     QUIET_EXIT_DELAY_S,
     LostContact,
@@ -43,6 +42,7 @@ from .rendezvous import (
     resolve_rendezvous,
 )
 from .workarounds import exit_process, stop_stuck_agent
+from .workers import worker_context
 
 # What each process runs once it joined its group (main.work trains): the flags, the world, the
 # backend, this process's devices and its lifeline in; the run's summary out.

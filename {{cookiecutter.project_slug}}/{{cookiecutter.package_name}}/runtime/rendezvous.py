@@ -1,8 +1,8 @@
 """Set-up and clean-up: which backend, which devices, where the ranks meet, and joining the group.
 
-`ddp_setup` always builds the key-value store itself (TCP, a shared file, or torchrun's agent) and
-hands it to `init_process_group`: one code path for every launcher, a store object the failure
-handling can use, and no file:// URL whose escaping could go wrong.
+`ddp_setup` builds the key-value store itself (TCP, a shared file, or torchrun's agent) for
+`init_process_group`: one code path for every launcher, a store object the failure handling can
+use, and no file:// URL whose escaping could go wrong.
 """
 
 from __future__ import annotations
@@ -49,20 +49,13 @@ def resolve_backend(requested: str, cuda_count: int, nccl_available: bool,
     return requested
 
 
-def assign_devices(
-    local_rank: int,
-    local_world_size: int,
-    cuda_count: int,
-    layout: str = "data_parallel",
-    stage_devices: list[str] | None = None,
-    visible_devices: str | None = None,
-) -> list[torch.device]:
+def assign_devices(local_rank: int, local_world_size: int, cuda_count: int,
+                   layout: str = "data_parallel", stage_devices: list[str] | None = None,
+                   visible_devices: str | None = None) -> list[torch.device]:
     """The devices of one process: two (first and last stage) for model_parallel_2, else one.
-
-    Pure: device count and CUDA_VISIBLE_DEVICES are passed in, so every case is testable without
-    GPUs. When each process is given exactly its own devices (CUDA_VISIBLE_DEVICES per task, as
-    SLURM's `--gpus-per-task` does), device indices restart at 0 in every process.
-    """
+    Pure (the device count and CUDA_VISIBLE_DEVICES are passed in): testable without GPUs. A
+    process given exactly its own devices (CUDA_VISIBLE_DEVICES per task, as SLURM's
+    `--gpus-per-task` does) counts them from 0."""
     if stage_devices:
         if layout != "model_parallel_2":
             raise SetupError("--stage-devices only applies to --model-layout model_parallel_2",
@@ -126,8 +119,7 @@ def resolve_rendezvous(method: str, world: World, rendezvous_dir: Path,
         method = "file"  # no TCP store to start on Windows: a file next to the run is reliable
     scheme = method.split("://", 1)[0] if "://" in method else None
     if scheme not in (None, "env", "tcp", "file"):
-        raise SetupError(f"--init-method {method!r} is not one of {INIT_METHODS}",
-                         everywhere=True)
+        raise SetupError(f"--init-method {method!r} is not one of {INIT_METHODS}", everywhere=True)
     under_torchrun = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if method in ("env", "env://", "tcp"):
         if world.master_port is None:
@@ -158,8 +150,7 @@ def resolve_rendezvous(method: str, world: World, rendezvous_dir: Path,
     elif "/" in method or os.sep in method or method.startswith("."):
         path = Path(method)
     else:
-        raise SetupError(f"--init-method {method!r} is not one of {INIT_METHODS}",
-                         everywhere=True)
+        raise SetupError(f"--init-method {method!r} is not one of {INIT_METHODS}", everywhere=True)
     path = path.resolve()
     if path.is_dir():
         raise SetupError(f"--init-method {method}: {path} is a folder; name a file inside it",
@@ -259,26 +250,21 @@ def _hint(rdzv: Rendezvous, world: World) -> str:
 
 def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
               devices: list[torch.device], lifeline: Lifeline) -> dist.Store:
-    """Set the device, then join the process group; returns the job's key-value store.
-
-    Everything here waits for the other ranks, so it runs under one --timeout-s deadline: a rank
-    that never meets its peers ends with an `error:` line instead of hanging.
-    """
+    """Set the device, then join the process group; returns the job's key-value store. All of it
+    waits for the other ranks, under one --timeout-s deadline: a rank that never meets its peers
+    ends with an `error:` line instead of hanging."""
     for name, value in windows_env(sys.platform, torch.__version__).items():
         os.environ.setdefault(name, value)
     if devices[0].type == "cuda":
         torch.cuda.set_device(devices[0])
-    created = rdzv.kind == "file" and not rdzv.path.exists()
-    if created:  # a file this launch creates is removed again if the rendezvous fails
+    if rdzv.kind == "file" and not rdzv.path.exists():  # a new file: removed if this fails
         lifeline.cleanups.append(lambda: rdzv.path.unlink(missing_ok=True))
     others = f"the other {world.world_size - 1} rank(s)" if world.world_size > 1 else "the store"
     what, hint = f"{others} to join at {rdzv}", _hint(rdzv, world)
     with lifeline.waiting(what, hint, timeout_s, phase="rendezvous"):
         try:
             store = _make_store(rdzv, world, timeout_s)
-            kwargs = {}
-            if backend == "nccl":
-                kwargs["device_id"] = devices[0]
+            kwargs = {"device_id": devices[0]} if backend == "nccl" else {}
             dist.init_process_group(backend, store=store, rank=world.rank,
                                     world_size=world.world_size,
                                     timeout=timedelta(seconds=timeout_s), **kwargs)

@@ -37,7 +37,7 @@ from .data import InMemoryDataset, split_for_validation
 from .failures import SetupError, local_rank_from_env
 from .settings import setting
 
-if TYPE_CHECKING:  # for the type hints only: config.py reads this module's Settings
+if TYPE_CHECKING:  # for the type hints only
     from .config import Config
 
 IMAGE_SIZE = 16
