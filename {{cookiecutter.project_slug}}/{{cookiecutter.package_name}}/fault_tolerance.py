@@ -40,13 +40,13 @@ from . import task
 from .config import Config, parse_args
 from .data import ShardedBatchSampler
 from .failures import SetupError, report_error
+from .loop import Runtime, Trainer
 from .optim import Optimization
 from .runtime.environments import World
 from .runtime.launch import start
 from .runtime.lifeline import Lifeline
 from .runtime.network import VARIABLES, route_to
 from .runtime.rendezvous import collective_device
-from .loop import Runtime, Trainer
 
 INSTALL = 'pip install -e ".[ft]"'
 START_IT = "start it (scripts/train_ft.sh lighthouse) or fix TORCHFT_LIGHTHOUSE"
