@@ -300,7 +300,8 @@ class FaultTolerantOptimization(Optimization):
                 if p.grad is not None:
                     p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-            return super().step()
+            super().step()
+            return True
         # Not committed: no update, and the step does not count (the trainer's step stays equal
         # to the Manager's, which decides who is behind and heals).
         self.skipped_steps += 1
