@@ -217,12 +217,12 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from .failures import SetupError
+from .failures import UsageError
 
 
 def build_datasets(cfg):
     if cfg.data is None:
-        raise SetupError("this task reads a CSV file of x1,x2,x3,x4,y rows: pass --data FILE")
+        raise UsageError("this task reads a CSV file of x1,x2,x3,x4,y rows: pass --data FILE")
     rows = [[float(v) for v in line.split(",")] for line in open(cfg.data) if line.strip()]
     table = torch.tensor(rows)
     return TensorDataset(table[:, :4], table[:, 4:]), None

@@ -21,7 +21,7 @@ from {{ cookiecutter.package_name }} import task  # noqa: E402
 from {{ cookiecutter.package_name }}.checkpoint import storage  # noqa: E402
 from {{ cookiecutter.package_name }}.checkpoint.export import model_and_meta  # noqa: E402
 from {{ cookiecutter.package_name }}.config import Config  # noqa: E402
-from {{ cookiecutter.package_name }}.failures import SetupError  # noqa: E402
+from {{ cookiecutter.package_name }}.failures import ProjectError, UsageError  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         if not hasattr(task, "predict"):
-            raise SetupError("task.py has no predict(model, inputs, cfg); add one (see the "
+            raise UsageError("task.py has no predict(model, inputs, cfg); add one (see the "
                              "example tasks)")
         state, meta = model_and_meta(storage.given(argv[0]), raw_weights)
         cfg = Config.from_dict(meta.get("config", {}), getattr(task, "Settings", None))
@@ -41,13 +41,13 @@ def main(argv: list[str]) -> int:
             model.load_state_dict(state)
         except RuntimeError as exc:  # task.py changed since: load_state_dict's many lines
             detail = (str(exc).splitlines()[1:] or [str(exc)])[0].strip()
-            raise SetupError(f"{argv[0]} does not fit the model task.py builds now ({detail}); "
+            raise UsageError(f"{argv[0]} does not fit the model task.py builds now ({detail}); "
                              "use a checkpoint of this model") from None
         model.eval()
         with torch.no_grad():
             for line in task.predict(model, argv[1:], cfg):
                 print(line)
-    except SetupError as exc:
+    except ProjectError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -42,7 +42,7 @@ from pathlib import Path
 import {{ cookiecutter.package_name }}.checkpoint.checkpointer as checkpointer
 import {{ cookiecutter.package_name }}.loop as loop
 import {{ cookiecutter.package_name }}.runtime.rendezvous as rendezvous
-from {{ cookiecutter.package_name }}.failures import SetupError
+from {{ cookiecutter.package_name }}.failures import UsageError
 from {{ cookiecutter.package_name }}.main import main
 
 def hold_the_lock(*args):  # a C call that never releases the interpreter lock
@@ -57,7 +57,7 @@ loss_fn = loop.Trainer._run_batch
 
 def fail_on_request(self, *args, **kwargs):  # rank 1 fails once the test asks for it
     if self.world.rank == 1 and Path("fail-now").exists():
-        raise SetupError("rank 1 could not read its data (a test)")
+        raise UsageError("rank 1 could not read its data (a test)")
     return loss_fn(self, *args, **kwargs)
 
 if __name__ == "__main__":

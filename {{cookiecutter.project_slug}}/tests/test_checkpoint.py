@@ -14,7 +14,7 @@ from {{ cookiecutter.package_name }}.checkpoint.export import export
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, load_checkpoint, write_file
 from {{ cookiecutter.package_name }}.checkpoint.folder import CheckpointDir, Staging
 from {{ cookiecutter.package_name }}.checkpoint.resume import pick_checkpoint
-from {{ cookiecutter.package_name }}.failures import SetupError
+from {{ cookiecutter.package_name }}.failures import RunFailure, UsageError
 
 
 def _state(step: int) -> dict:
@@ -78,7 +78,7 @@ def test_a_folder_in_use_is_refused_and_freed_when_its_owner_dies(tmp_path):
                               cwd=PROJECT_ROOT, env=child_env(), stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(SetupError, match="is in use by a run that is still going .pid"):
+        with pytest.raises(UsageError, match="is in use by a run that is still going .pid"):
             CheckpointDir(tmp_path, 3).open()
     finally:
         holder.kill()
@@ -104,19 +104,19 @@ def test_unreadable_checkpoints_are_skipped_or_refused(tmp_path, capsys):
     assert capsys.readouterr().err.count("skipping unreadable checkpoint") == 3
     assert pick_checkpoint("never", tmp_path) is None
     assert pick_checkpoint("auto", tmp_path / "missing") is None
-    with pytest.raises(SetupError, match="cannot load it .not a checkpoint file"):
+    with pytest.raises(UsageError, match="cannot load it .not a checkpoint file"):
         pick_checkpoint(str(newest), tmp_path)
-    with pytest.raises(SetupError, match="is a folder of checkpoints, not one; name one of them "
+    with pytest.raises(UsageError, match="is a folder of checkpoints, not one; name one of them "
                                          r"\(the newest is .*ckpt_step00000004\)"):
         pick_checkpoint(str(tmp_path), tmp_path)
-    with pytest.raises(SetupError, match="a folder without a checkpoint's .metadata"):
+    with pytest.raises(UsageError, match="a folder without a checkpoint's .metadata"):
         pick_checkpoint(str(tmp_path / "ckpt_step00000004"), tmp_path)
 
 
 def test_arbitrary_objects_are_never_unpickled(tmp_path):
     path = tmp_path / "ckpt_step00000001.pt"
     torch.save({"model": {}, "payload": object()}, path)
-    with pytest.raises(SetupError, match="cannot load it .UnpicklingError"):
+    with pytest.raises(UsageError, match="cannot load it .UnpicklingError"):
         pick_checkpoint(str(path), tmp_path)
 
 
@@ -124,7 +124,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint_and_says_why(tmp_path):
     folder = _dir(tmp_path)
     good = folder.save_file(_state(1), 1)
     (tmp_path / "a-file").write_text("")
-    with pytest.raises(SetupError, match="cannot write checkpoint .*; free space or choose"):
+    with pytest.raises(RunFailure, match="cannot write checkpoint .*; free space or choose"):
         write_file(_state(2), tmp_path / "a-file" / "ckpt_step00000002.pt")
     assert list_checkpoints(tmp_path) == [good] and load_checkpoint(good)["step"] == 1
 

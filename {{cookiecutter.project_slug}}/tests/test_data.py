@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from torch.utils.data import Dataset
@@ -17,6 +19,7 @@ from {{ cookiecutter.package_name }}.data import (
     place_on_device,
     validation_batches,
 )
+from {{ cookiecutter.package_name }}.failures import LostContact, RunFailure, UsageError
 
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -95,6 +98,31 @@ def test_getitems_returning_a_list_of_samples_is_collated():
     fetcher = BatchFetcher(ListBatches(10), None)
     batch = fetcher.__getitems__((0, torch.tensor([1, 2, 3])))
     assert batch["x"].shape == (3, 3) and batch["x"][0, 0].item() == 1.0
+
+
+class Unreadable(PerSample):
+    """Every sample fails with `error` (a corrupt file: the task raises a UsageError)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(10)
+        self.error = error
+
+    def __getitem__(self, i: int) -> dict:
+        raise self.error
+
+
+@pytest.mark.parametrize("kind", [UsageError, RunFailure, LostContact])
+def test_a_data_workers_error_reaches_the_training_process_with_its_class(monkeypatch, kind):
+    # In a worker process the error is handed over as a batch (pickled to the training process)
+    # and raised by move_to there: the same class and the same one line.
+    monkeypatch.setattr("{{ cookiecutter.package_name }}.data.get_worker_info", lambda: object())
+    fetcher = BatchFetcher(Unreadable(kind("--data: x.png cannot be decoded as an image")), None)
+    with torch.random.fork_rng():  # a worker seeds its random state per batch
+        batch = pickle.loads(pickle.dumps(fetcher.__getitems__((0, torch.tensor([3])))))
+    with pytest.raises(kind) as raised:
+        move_to(batch, CPU)
+    assert type(raised.value) is kind
+    assert str(raised.value) == "--data: x.png cannot be decoded as an image"
 
 
 def test_worker_loader_equals_in_process_loader_and_its_randomness_is_per_batch():

@@ -1,21 +1,34 @@
-"""The pure parts of set-up: who am I, which backend, which devices, where the ranks meet."""
+"""The pure parts of set-up: who am I, which backend, which devices, where the ranks meet; and
+how one rank's error reaches the others with its class."""
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import write_store_file
 
+import {{ cookiecutter.package_name }}.failures as failures
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.doctor import traps
-from {{ cookiecutter.package_name }}.failures import SetupError
+from {{ cookiecutter.package_name }}.failures import (
+    LostContact,
+    PeerErrors,
+    RunFailure,
+    UsageError,
+    agree,
+    kind_name,
+)
 from {{ cookiecutter.package_name }}.main import work
+from {{ cookiecutter.package_name }}.runtime import launch
 from {{ cookiecutter.package_name }}.runtime.environments import (
     World,
     expand_nodelist,
@@ -23,7 +36,7 @@ from {{ cookiecutter.package_name }}.runtime.environments import (
     find_free_port,
     resolve_world,
 )
-from {{ cookiecutter.package_name }}.runtime.launch import run
+from {{ cookiecutter.package_name }}.runtime.launch import Setup, run
 from {{ cookiecutter.package_name }}.runtime.nccl import nccl_env, startup_timeout_s
 from {{ cookiecutter.package_name }}.runtime.rendezvous import (
     assign_devices,
@@ -51,9 +64,9 @@ def test_local_rank_variable_wins_over_legacy_flag():
 
 def test_missing_local_rank_and_rank_outside_world_are_explained():
     env = {k: v for k, v in TORCHRUN_ENV.items() if k != "LOCAL_RANK"}
-    with pytest.raises(SetupError, match="LOCAL_RANK"):
+    with pytest.raises(UsageError, match="LOCAL_RANK"):
         resolve_world(env)
-    with pytest.raises(SetupError, match="outside a world"):
+    with pytest.raises(UsageError, match="outside a world"):
         resolve_world({**TORCHRUN_ENV, "RANK": "4"})
 
 
@@ -118,12 +131,12 @@ def test_a_slurm_step_on_fewer_nodes_than_the_job_uses_the_steps_counts():
 
 
 def test_slurm_mistakes_are_explained():
-    with pytest.raises(SetupError, match="not started by srun"):
+    with pytest.raises(UsageError, match="not started by srun"):
         resolve_world({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "1"})
-    with pytest.raises(SetupError, match="add up to 5; use --ntasks-per-node"):
+    with pytest.raises(UsageError, match="add up to 5; use --ntasks-per-node"):
         resolve_world({**TWO_NODES, "SLURM_STEP_TASKS_PER_NODE": "4,1", "SLURM_NODEID": "0",
                        "SLURM_LOCALID": "0", "SLURM_PROCID": "0"})
-    with pytest.raises(SetupError, match="SLURM_LOCALID=2"):
+    with pytest.raises(UsageError, match="SLURM_LOCALID=2"):
         resolve_world({**SLURM_STEP, "SLURM_LOCALID": "2"})
     # The doctor still sees what SLURM said.
     assert resolve_world({**SLURM_STEP, "SLURM_LOCALID": "2"}, check=False).local_rank == 2
@@ -152,9 +165,9 @@ def test_backend_auto_and_refusals():
     assert resolve_backend("auto", cuda_count=0, nccl_available=True) == "gloo"
     assert resolve_backend("auto", cuda_count=2, nccl_available=True) == "nccl"
     assert resolve_backend("auto", cuda_count=2, nccl_available=False) == "gloo"
-    with pytest.raises(SetupError, match="--backend gloo"):
+    with pytest.raises(UsageError, match="--backend gloo"):
         resolve_backend("nccl", cuda_count=0, nccl_available=True)
-    with pytest.raises(SetupError, match="Windows"):
+    with pytest.raises(UsageError, match="Windows"):
         resolve_backend("nccl", cuda_count=1, nccl_available=True, platform="win32")
 
 
@@ -174,15 +187,15 @@ def test_assign_devices(local_rank, local_world, cuda, layout, visible, expected
 
 
 def test_assign_devices_refuses_too_few_gpus():
-    with pytest.raises(SetupError, match="need 4 GPUs .* 2 are visible; start fewer processes"):
+    with pytest.raises(UsageError, match="need 4 GPUs .* 2 are visible; start fewer processes"):
         assign_devices(0, 4, 2, "data_parallel")
-    with pytest.raises(SetupError, match="need 2 GPUs"):  # two processes, one GPU
+    with pytest.raises(UsageError, match="need 2 GPUs"):  # two processes, one GPU
         assign_devices(1, 2, 1, "data_parallel", visible_devices=None)
-    with pytest.raises(SetupError, match="--stage-devices"):
+    with pytest.raises(UsageError, match="--stage-devices"):
         assign_devices(0, 2, 3, "model_parallel_2")
     assert assign_devices(0, 1, 1, "model_parallel_2", ["cuda:0", "cuda:0"]) == \
         [torch.device("cuda:0")] * 2
-    with pytest.raises(SetupError, match="only 1 CUDA"):
+    with pytest.raises(UsageError, match="only 1 CUDA"):
         assign_devices(0, 1, 1, "model_parallel_2", ["cuda:0", "cuda:1"])
 
 
@@ -217,7 +230,7 @@ def test_file_paths_that_need_url_escaping_are_taken_literally(tmp_path, name):
     ("file://tmp/store", "three slashes"),
 ])
 def test_bad_init_methods_are_explained(tmp_path, method, says):
-    with pytest.raises(SetupError, match=says):
+    with pytest.raises(UsageError, match=says):
         resolve_rendezvous(method, WORLD, tmp_path)
 
 
@@ -225,7 +238,7 @@ def test_stale_and_fresh_store_files(tmp_path: Path):
     fresh = write_store_file(tmp_path / "fresh", peer="of this launch, a moment ago")
     assert resolve_rendezvous(str(fresh), WORLD, tmp_path).path == fresh.resolve()
     os.utime(fresh, (0, 0))
-    with pytest.raises(SetupError, match="left over from an earlier run"):
+    with pytest.raises(UsageError, match="left over from an earlier run"):
         resolve_rendezvous(str(fresh), WORLD, tmp_path)
 
 
@@ -285,3 +298,72 @@ def test_doctor_warns_about_known_traps(monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(
         64 * 2**20, 60 * 2**20, 4 * 2**20))
     assert "/dev/shm has 4 MB free" in " ".join(traps(World(0, 0, 1, 1, "none"), 0, "gloo"))
+
+
+KINDS = [UsageError, RunFailure, LostContact]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_peers_recorded_error_keeps_its_class(kind):
+    store = torch.distributed.HashStore()  # the job's key-value store, in this process
+    failed, peer = PeerErrors(store, 1, 2), PeerErrors(store, 0, 2)
+    failed.record("cannot write checkpoint x (disk full)", kind_name(kind("")))
+    error = peer.explain(RuntimeError("Connection closed by peer"), timeout_s=30)
+    assert type(error) is kind and error.quiet  # the same host: rank 1 printed it
+    assert str(error) == (f"rank 0: stopped because rank 1 on {socket.gethostname()} failed: "
+                          "cannot write checkpoint x (disk full)")
+
+
+def test_a_silent_peer_a_crash_and_a_users_subclass_travel_as_their_nearest_kind():
+    silent = PeerErrors(torch.distributed.HashStore(), 0, 2).explain(
+        RuntimeError("Connection closed by peer"), timeout_s=30)  # rank 1 left no record
+    assert type(silent) is RunFailure and "communication with the other ranks failed" in str(silent)
+    assert kind_name(type("TasksOwn", (UsageError,), {})("")) == "UsageError"  # a user's subclass
+    assert kind_name(ZeroDivisionError()) == "RunFailure"  # a crash
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rank_0s_error_reaches_every_rank_with_its_class(monkeypatch, kind):
+    # One process plays rank 0, then rank 1; the wire stands in for broadcast_text's collectives
+    # (a group of one process has no other rank to receive).
+    wire: list[str] = []
+
+    def broadcast_text(text, device):  # rank 0 sends its text, the others receive it
+        if text is not None:
+            wire.append(text)
+        return wire[-1]
+
+    def decide():
+        raise kind("--checkpoint-dir x is in use by a run that is still going")
+
+    monkeypatch.setattr(failures, "broadcast_text", broadcast_text)
+    for rank in (0, 1):
+        monkeypatch.setattr(failures.dist, "get_rank", lambda rank=rank: rank)
+        with pytest.raises(kind) as raised:
+            agree(decide, torch.device("cpu"))
+        assert type(raised.value) is kind
+    assert raised.value.quiet and str(raised.value) == (
+        f"rank 0 on {socket.gethostname()}: --checkpoint-dir x is in use by a run that is still "
+        "going")
+
+
+def test_under_nccl_a_rank_that_lost_the_store_still_raises_lost_contact(monkeypatch, tmp_path):
+    # run() adds NCCL's flight-recorder hint to the error; the class must stay, or a node cut off
+    # from the job's store would not stop torchrun's stuck agent (run_and_report).
+    class GoneStore:  # the store's host dropped off the network
+        def set(self, *args):
+            raise RuntimeError("Connection reset by peer")
+
+    @contextmanager
+    def joined(cfg, world, workers=False):
+        lifeline = SimpleNamespace(waiting=lambda *args, **kwargs: nullcontext())
+        yield Setup("nccl", [torch.device("cpu")], SimpleNamespace(port=0, address=""), None, "",
+                    lifeline, GoneStore())
+
+    def work(*args):
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(launch, "joined", joined)
+    cfg = SimpleNamespace(num_workers=0, timeout_s=1.0, output_dir=str(tmp_path))
+    with pytest.raises(LostContact, match="lost contact with the other ranks .*flight recorder"):
+        run(cfg, World(0, 0, 2, 2, "torchrun"), work)

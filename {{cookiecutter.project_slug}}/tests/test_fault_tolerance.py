@@ -28,7 +28,7 @@ from conftest import (
 )
 
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints
-from {{ cookiecutter.package_name }}.failures import SetupError
+from {{ cookiecutter.package_name }}.failures import UsageError
 from {{ cookiecutter.package_name }}.fault_tolerance import Replicas
 from {{ cookiecutter.package_name }}.runtime.environments import World, find_free_port
 
@@ -55,14 +55,14 @@ def test_replica_settings_come_from_the_environment():
     for bad, words in [({"TORCHFT_LIGHTHOUSE": ""}, "TORCHFT_LIGHTHOUSE is not set"),
                        ({"REPLICA_GROUP_ID": "3"}, "REPLICA_GROUP_ID 3 is not below"),
                        ({"REPLICA_GROUP_ID": "x"}, "REPLICA_GROUP_ID=x is not a whole number")]:
-        with pytest.raises(SetupError, match=words):
+        with pytest.raises(UsageError, match=words):
             Replicas.from_env({**env, **bad})
     # HOST:PORT gets its http:// (torchft would wait out every timeout without it).
     for given, used in [("lh:29510", "http://lh:29510"), ("http://lh:29510/", "http://lh:29510"),
                         ("[::1]:29510", "http://[::1]:29510")]:
         assert Replicas.from_env({**env, "TORCHFT_LIGHTHOUSE": given}).lighthouse == used
     for bad in ["lh", "http://lh", "https://lh:29510", "lh:port", "http://:29510", "lh:1/x", "a b"]:
-        with pytest.raises(SetupError, match=f"TORCHFT_LIGHTHOUSE={re.escape(bad)} is not a "
+        with pytest.raises(UsageError, match=f"TORCHFT_LIGHTHOUSE={re.escape(bad)} is not a "
                                              "lighthouse address: write http://HOST:PORT"):
             Replicas.from_env({**env, "TORCHFT_LIGHTHOUSE": bad})
 

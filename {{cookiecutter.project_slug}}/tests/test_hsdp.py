@@ -26,7 +26,7 @@ from conftest import (
 )
 
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta
-from {{ cookiecutter.package_name }}.failures import SetupError
+from {{ cookiecutter.package_name }}.failures import UsageError
 from {{ cookiecutter.package_name }}.parallel import shard_group_size
 
 # 8 steps an epoch at 4 ranks, 16 in all, a checkpoint every 4.
@@ -40,7 +40,7 @@ def test_the_default_shard_group_is_one_node():
     assert shard_group_size(0, 8, 8) == 8  # one node: plain fsdp
     assert shard_group_size(0, 4, 0) == 4  # no launcher told: plain fsdp
     assert shard_group_size(2, 4, 4) == 2
-    with pytest.raises(SetupError, match="--shard-group-size 3 must divide the 4 ranks"):
+    with pytest.raises(UsageError, match="--shard-group-size 3 must divide the 4 ranks"):
         shard_group_size(3, 4, 4)
 
 

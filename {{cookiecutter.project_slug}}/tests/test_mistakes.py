@@ -204,7 +204,7 @@ sys.exit(entry.main(sys.argv[1:]))
 BAD_SAMPLE_TASK = """
 import sys
 import {{ cookiecutter.package_name }}.main as entry
-from {{ cookiecutter.package_name }}.failures import SetupError
+from {{ cookiecutter.package_name }}.failures import UsageError
 
 
 class OneBadSample:  # one sample that cannot be read, as a corrupt file would be
@@ -216,7 +216,7 @@ class OneBadSample:  # one sample that cannot be read, as a corrupt file would b
 
     def __getitem__(self, i):
         if i == 3:
-            raise SetupError("sample 3 cannot be read")
+            raise UsageError("sample 3 cannot be read")
         return self.data[i]
 
 

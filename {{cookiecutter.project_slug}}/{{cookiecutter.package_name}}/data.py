@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
-from .failures import SetupError
+from .failures import KINDS, ProjectError, RunFailure, kind_name
 from .runtime.workers import worker_loader
 
 
@@ -168,21 +168,21 @@ class BatchFetcher:
                 data = self._getitems(indices)
             else:
                 data = [self.dataset[i] for i in indices.tolist()]
-        except SetupError as exc:
+        except ProjectError as exc:
             if get_worker_info() is None:
                 raise
             # DataLoader would re-raise it in the training process with the worker's traceback
             # as its message; handed over as a batch, it stays one line.
-            return WorkerError(str(exc))
+            return WorkerError(kind_name(exc), str(exc))
         # A list holds samples still to be collated; anything else is already a batch.
         return self.collate(data) if isinstance(data, list) else data
 
 
 class WorkerError:
-    """A data worker's SetupError, on its way to the training process (raised by `move_to`)."""
+    """A data worker's ProjectError, as a KINDS name and a message, for `move_to` to raise."""
 
-    def __init__(self, message: str) -> None:
-        self.message = message
+    def __init__(self, kind: str, message: str) -> None:
+        self.kind, self.message = kind, message
 
 
 class InProcessLoader:
@@ -296,5 +296,5 @@ def move_to(batch: Any, device: torch.device) -> Any:
     if type(batch) is tuple and all(type(t) is torch.Tensor for t in batch):
         return tuple(t.to(device, non_blocking=True) for t in batch)  # the common case, fast
     if isinstance(batch, WorkerError):
-        raise SetupError(batch.message)
+        raise KINDS.get(batch.kind, RunFailure)(batch.message)
     return _apply(batch, lambda t: t.to(device, non_blocking=True))

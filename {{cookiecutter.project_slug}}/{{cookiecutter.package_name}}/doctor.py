@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from . import task
 from .config import Config, parse_args
-from .failures import SetupError, is_communication_failure
+from .failures import ProjectError, RunFailure, UsageError, is_communication_failure
 from .plan import plan
 from .runtime.environments import World, resolve_world
 from .runtime.launch import Setup, joined, resolve
@@ -208,7 +208,7 @@ def meet(cfg: argparse.Namespace, world: World, setup: Setup) -> float:
             dist.all_reduce(value)
             expected = world.world_size * (world.world_size + 1) / 2
             if value.item() != expected:
-                raise SetupError(f"all_reduce gave {value.item()}, expected {expected}: the "
+                raise UsageError(f"all_reduce gave {value.item()}, expected {expected}: the "
                                  "ranks disagree on who is who; check that every process got its "
                                  "own RANK")
             speed = bandwidth_gb_s(device, 64 if device.type == "cuda" else 16)
@@ -216,7 +216,7 @@ def meet(cfg: argparse.Namespace, world: World, setup: Setup) -> float:
     except RuntimeError as exc:
         if not is_communication_failure(exc):
             raise
-        raise SetupError(
+        raise RunFailure(
             f"the {world.world_size} processes could not all meet within --timeout-s="
             f"{cfg.timeout_s:g} ({str(exc).strip().splitlines()[0]}). Check that exactly "
             f"WORLD_SIZE={world.world_size} processes were started, that {world.master_addr}:"
@@ -228,7 +228,7 @@ def meet(cfg: argparse.Namespace, world: World, setup: Setup) -> float:
 def main(argv: list[str] | None = None) -> int:
     try:
         return check(argv)
-    except SetupError as exc:
+    except ProjectError as exc:
         sys.stderr.write(f"FAIL: {exc}\n")
         return 1
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from .data import FixedBatches, move_to
 from .ema import EMA
-from .failures import SetupError
+from .failures import UsageError
 
 
 class Evaluator:
@@ -86,7 +86,7 @@ class Evaluator:
         """The metric names, sorted: the same order on every rank (padding batches count here, so
         a rank whose share is empty knows them too)."""
         if "count" not in values and not any(k.endswith("_count") for k in values):
-            raise SetupError("task.eval_metrics must return per-batch sums and a 'count' (or "
+            raise UsageError("task.eval_metrics must return per-batch sums and a 'count' (or "
                              f"'<metric>_count'); it returned {', '.join(values)}", everywhere=True)
         return sorted(values)
 
@@ -126,7 +126,7 @@ class ModelSelection:
         """Refuse a metric the evaluation does not report (before training, see Evaluator)."""
         for goal, flag in ((self.keep, "--keep-best"), (self.stop, "--early-stop")):
             if goal and goal[0] not in reported:
-                raise SetupError(f"{flag} {goal[0]}: the evaluation reports no such metric (it "
+                raise UsageError(f"{flag} {goal[0]}: the evaluation reports no such metric (it "
                                  f"reports {', '.join(reported)})", everywhere=True)
 
     def update(self, metrics: dict[str, float], step: int) -> list[str]:
@@ -204,7 +204,7 @@ class Evaluation:
                                        ("--keep-best", cfg.keep_best),
                                        ("--early-stop", cfg.early_stop)) if on]
         if wants and self.evaluator is None:
-            raise SetupError(f"{wants[0]} needs a validation set, and task.build_datasets "
+            raise UsageError(f"{wants[0]} needs a validation set, and task.build_datasets "
                              "returned none (raise --val-fraction?)", everywhere=True)
 
     def check_metric_names(self) -> None:
@@ -216,7 +216,7 @@ class Evaluation:
         """--eval-only: the metrics of the resumed checkpoint, written to eval.json; no training,
         no checkpoint, no summary."""
         if not checkpoint:
-            raise SetupError(f"--eval-only needs a checkpoint, and there is none in "
+            raise UsageError(f"--eval-only needs a checkpoint, and there is none in "
                              f"--checkpoint-dir {self.cfg.checkpoint_dir}; name one with --resume "
                              "PATH", everywhere=True)
         metrics = self.evaluator.run(self.model, self.autocast, self.ema)

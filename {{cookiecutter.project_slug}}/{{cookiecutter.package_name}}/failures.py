@@ -1,7 +1,8 @@
 """Errors a user can act on, and what a rank says when its peers fail.
 
-Every known failure is a `SetupError`: the entry point prints it as one `error: ...` line and
-exits 1. Three rules keep the output of a many-rank job readable:
+Every known failure is a `ProjectError`: a `UsageError` (a mistake the user fixes) or a
+`RunFailure` (something failed while running). The entry point prints it as one `error: ...` line
+and exits 1. Three rules keep the output of a many-rank job readable:
 
 - an error every rank finds (a bad flag value, data that does not fit the model) is printed once
   per node, by local rank 0 (`everywhere=True`);
@@ -26,37 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_terminal_fd = 2  # where this process's own lines go (see keep_torch_messages_in)
 
-
-def terminal_fd() -> int:
-    return _terminal_fd
-
-
-def keep_torch_messages_in(path: Path) -> None:
-    """Send what torch's C++ code writes to stderr to `path`: a store that cannot be reached
-    retries with 30 lines of C++ stack frames each time, sockets warn about host names. This
-    process's own lines (Python's sys.stderr) keep the terminal. Skipped when TORCH_CPP_LOG_LEVEL
-    is set: whoever sets it wants to read them."""
-    global _terminal_fd
-    if "TORCH_CPP_LOG_LEVEL" in os.environ or _terminal_fd != 2:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    except OSError:
-        return  # an output dir that cannot be written is reported by what writes there
-    sys.stderr.flush()
-    terminal = os.dup(2)
-    os.dup2(log, 2)  # file descriptor 2: where C++ code writes
-    os.close(log)
-    sys.stderr = open(terminal, "w", buffering=1, encoding=sys.stderr.encoding,
-                      errors="backslashreplace")
-    _terminal_fd = terminal
-
-
-class SetupError(RuntimeError):
-    """A problem the user can fix, printed as one `error: ...` line.
+class ProjectError(RuntimeError):
+    """A known failure, printed as one `error: ...` line (no traceback).
 
     everywhere: every rank found the same problem; only local rank 0 prints it.
     quiet: another rank prints it (this rank only learned of it).
@@ -68,8 +41,25 @@ class SetupError(RuntimeError):
         self.quiet = quiet
 
 
-class LostContact(SetupError):
+class UsageError(ProjectError):
+    """A mistake the user fixes: a flag, the environment, the data, the task's code."""
+
+
+class RunFailure(ProjectError):
+    """A failure while running: a write or load, a NaN loss, peers that stopped answering."""
+
+
+class LostContact(RunFailure):
     """This rank lost its peers and the job's store: its host may be cut off from the network."""
+
+
+# An error crosses ranks and processes as text: its class travels by name, back through KINDS.
+KINDS = {c.__name__: c for c in (UsageError, RunFailure, LostContact)}
+
+
+def kind_name(exc: BaseException) -> str:
+    """The name of `exc`'s nearest class in KINDS; a crash is a RunFailure."""
+    return next((c.__name__ for c in type(exc).__mro__ if c in KINDS.values()), "RunFailure")
 
 
 def local_rank_from_env() -> int:
@@ -85,7 +75,7 @@ QUIET_EXIT_DELAY_S = 1.0
 PRINTER_WAIT_S = 10.0  # under torchrun: how long a silent rank waits for local rank 0's line
 
 
-def report_error(exc: SetupError, local_rank: int | None = None) -> None:
+def report_error(exc: ProjectError, local_rank: int | None = None) -> None:
     local_rank = local_rank_from_env() if local_rank is None else local_rank
     if exc.quiet:  # printed by a rank that may be on another node, a moment behind
         leave_for_torchrun(str(exc))
@@ -179,7 +169,7 @@ class PeerErrors:
 
     Under torchrun the store lives in the launcher's agent and outlives the workers; under other
     launchers rank 0 hosts it, so records of rank 0's own failures reach peers through the
-    collectives that agree on rank 0's decisions instead (see `resume.agree`). Every store call
+    collectives that agree on rank 0's decisions instead (see `agree`). Every store call
     here is bounded in time: the store may have gone with a host.
     """
 
@@ -198,24 +188,26 @@ class PeerErrors:
         except Exception:
             pass
 
-    def record(self, message: str) -> None:
-        """Leave this rank's own error for its peers (best effort: the store may be gone)."""
+    def record(self, message: str, kind: str) -> None:
+        """Leave this rank's own error and its kind for its peers (best effort: the store may be
+        gone)."""
         try:
-            bounded(lambda: self.store.set(f"error/{self.rank}", f"{self.host}\n{message}"),
-                    RECORD_S)
+            bounded(lambda: self.store.set(f"error/{self.rank}",
+                                           f"{self.host}\n{kind}\n{message}"), RECORD_S)
         except Exception:
             pass
 
-    def _look(self, wait_s: float, closed: bool) -> SetupError | list[str]:
+    def _look(self, wait_s: float, closed: bool) -> ProjectError | list[str]:
         """A peer's own error, or the ranks that did not mark the failure within `wait_s`."""
         self.store.set(f"comm_failure/{self.rank}", "1")
         deadline = time.monotonic() + wait_s
         while True:
             found = self._recorded()
             if found:
-                rank, host, message = found
-                return SetupError(f"rank {self.rank}: stopped because rank {rank} on {host} "
-                                  f"failed: {message}", quiet=host == self.host)
+                rank, host, kind, message = found
+                return KINDS.get(kind, RunFailure)(
+                    f"rank {self.rank}: stopped because rank {rank} on {host} failed: {message}",
+                    quiet=host == self.host)
             missing = [r for r in range(self.world_size)
                        if not self.store.check([f"comm_failure/{r}"])]
             # Two ranks: if the other one left no record, it is the one that is gone.
@@ -228,14 +220,14 @@ class PeerErrors:
         key = f"host/{rank}"
         return self.store.get(key).decode() if self.store.check([key]) else "an unknown host"
 
-    def _recorded(self) -> tuple[int, str, str] | None:
+    def _recorded(self) -> tuple[int, str, str, str] | None:
         for rank in range(self.world_size):
             if rank != self.rank and self.store.check([f"error/{rank}"]):
-                host, _, message = self.store.get(f"error/{rank}").decode().partition("\n")
-                return rank, host, message
+                host, kind, message = self.store.get(f"error/{rank}").decode().split("\n", 2)
+                return rank, host, kind, message
         return None
 
-    def explain(self, exc: BaseException, timeout_s: float) -> SetupError:
+    def explain(self, exc: BaseException, timeout_s: float) -> ProjectError:
         """The error to raise on this rank after a collective failed with `exc`."""
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         # A closed connection means the peer's process is gone: the survivors notice within
@@ -250,10 +242,10 @@ class PeerErrors:
                 f"({first_line}) and with the job's store{self.store_at}, which does not answer "
                 "either: this host may have dropped off the network, or the store's host is "
                 "gone; see the other ranks' output")
-        if isinstance(found, SetupError):
+        if isinstance(found, ProjectError):
             return found
         silent = ", ".join(found) if found else "none found (all saw the failure)"
-        return SetupError(
+        return RunFailure(
             f"rank {self.rank}: communication with the other ranks failed ({first_line}); "
             f"rank(s) that stopped answering: {silent}. A rank that dies or hangs longer than "
             f"--timeout-s={timeout_s:g} ends the job; see that rank's own output for why")
@@ -276,7 +268,7 @@ def broadcast_text(text: str | None, device: torch.device) -> str | None:
 
 
 def agree(decide: Callable[[], str | None], device: torch.device) -> str | None:
-    """Rank 0 runs `decide`; every rank returns its result, or raises its SetupError.
+    """Rank 0 runs `decide`; every rank returns its result, or raises its error's class.
 
     Rank 0's failure reaches the others as a message, not as a broken connection, so every
     rank's output points to the real reason (the others stay quiet when they share rank 0's
@@ -286,13 +278,14 @@ def agree(decide: Callable[[], str | None], device: torch.device) -> str | None:
         try:
             result = decide()
             outcome = "ok\n" + ("" if result is None else "=" + result)
-        except SetupError as exc:
-            outcome = f"error\n{socket.gethostname()}\n{exc}"
+        except ProjectError as exc:
+            outcome = f"error\n{kind_name(exc)}\n{socket.gethostname()}\n{exc}"
             broadcast_text(outcome, device)
             raise
     outcome = broadcast_text(outcome, device)
     status, _, rest = outcome.partition("\n")
     if status == "error":
-        host, _, message = rest.partition("\n")
-        raise SetupError(f"rank 0 on {host}: {message}", quiet=host == socket.gethostname())
+        kind, host, message = rest.split("\n", 2)
+        raise KINDS.get(kind, RunFailure)(f"rank 0 on {host}: {message}",
+                                          quiet=host == socket.gethostname())
     return rest[1:] if rest.startswith("=") else None

@@ -39,7 +39,7 @@ from . import main as entry
 from . import task
 from .config import Config, parse_args
 from .data import ShardedBatchSampler
-from .failures import SetupError, report_error
+from .failures import ProjectError, RunFailure, UsageError, report_error
 from .loop import Runtime, Trainer
 from .optim import Optimization
 from .runtime.environments import World
@@ -65,7 +65,7 @@ class Replicas:
     def from_env(cls, env: Mapping[str, str]) -> Replicas:
         lighthouse = env.get("TORCHFT_LIGHTHOUSE", "")
         if not lighthouse:
-            raise SetupError("TORCHFT_LIGHTHOUSE is not set: start a lighthouse "
+            raise UsageError("TORCHFT_LIGHTHOUSE is not set: start a lighthouse "
                              "(scripts/train_ft.sh lighthouse) and export its address, e.g. "
                              "TORCHFT_LIGHTHOUSE=http://localhost:29510", everywhere=True)
         lighthouse = lighthouse_address(lighthouse)
@@ -74,13 +74,13 @@ class Replicas:
                               ("TORCHFT_MIN_REPLICAS", "1")):
             value = env.get(name, default)
             if value is None or not value.isdigit():
-                raise SetupError(f"{name}={value or ''!s} is not a whole number; set "
+                raise UsageError(f"{name}={value or ''!s} is not a whole number; set "
                                  "REPLICA_GROUP_ID (0, 1, ...) and NUM_REPLICA_GROUPS for each "
                                  "replica group", everywhere=True)
             numbers[name] = int(value)
         group, groups = numbers["REPLICA_GROUP_ID"], numbers["NUM_REPLICA_GROUPS"]
         if not 0 <= group < groups:
-            raise SetupError(f"REPLICA_GROUP_ID {group} is not below NUM_REPLICA_GROUPS "
+            raise UsageError(f"REPLICA_GROUP_ID {group} is not below NUM_REPLICA_GROUPS "
                              f"{groups}; number the groups 0 to {groups - 1}", everywhere=True)
         return cls(group, groups, lighthouse, max(1, numbers["TORCHFT_MIN_REPLICAS"]))
 
@@ -98,14 +98,14 @@ def lighthouse_address(value: str) -> str:
                 and url.path in ("", "/") and not url.query + url.fragment):
             host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
             return f"http://{host}:{url.port}"
-    raise SetupError(f"TORCHFT_LIGHTHOUSE={value} is not a lighthouse address: write "
+    raise UsageError(f"TORCHFT_LIGHTHOUSE={value} is not a lighthouse address: write "
                      "http://HOST:PORT, e.g. http://localhost:29510", everywhere=True)
 
 
 def refuse_plain_run(env: Mapping[str, str]) -> None:
     """train.py with a replica group's variables set would train without torchft, silently."""
     if names := [name for name in ("REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE") if env.get(name)]:
-        raise SetupError(f"{' and '.join(names)} set, but train.py trains without torchft: start "
+        raise UsageError(f"{' and '.join(names)} set, but train.py trains without torchft: start "
                          "a replica group with train_ft.py (scripts/train_ft.sh group), or unset "
                          f"{'it' if len(names) == 1 else 'them'} for a plain run", everywhere=True)
 
@@ -188,7 +188,7 @@ def group_store(world: World, device: torch.device, timeout_s: float,
         port[0] = store.port
     dist.broadcast(port, 0)
     if not port.item():
-        raise SetupError(f"cannot reach the torchft lighthouse at {lighthouse} (no connection in "
+        raise UsageError(f"cannot reach the torchft lighthouse at {lighthouse} (no connection in "
                          f"--timeout-s {timeout_s:g} s); {START_IT}", everywhere=True)
     return store, int(port.item())
 
@@ -202,7 +202,7 @@ def start_manager(replicas: Replicas, world: World, backend: str, device: torch.
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
     except ImportError:
-        raise SetupError(f"this project trains with torchft (fault_tolerance=torchft), but torchft "
+        raise UsageError(f"this project trains with torchft (fault_tolerance=torchft), but torchft "
                          f"is not installed: {INSTALL}", everywhere=True) from None
     store, port = group_store(world, device, timeout_s, replicas.lighthouse)
     host = reachable_address(replicas, backend, os.environ)
@@ -220,9 +220,9 @@ def start_manager(replicas: Replicas, world: World, backend: str, device: torch.
                        checkpoint_transport=checkpoint_transport(host, timeout)), store
     except Exception as exc:
         if "connect" not in str(exc):
-            raise SetupError(f"torchft's Manager did not start ({_first_line(exc)})",
+            raise RunFailure(f"torchft's Manager did not start ({_first_line(exc)})",
                              everywhere=True) from None
-        raise SetupError(f"cannot reach the torchft lighthouse at {replicas.lighthouse} "
+        raise UsageError(f"cannot reach the torchft lighthouse at {replicas.lighthouse} "
                          f"({_first_line(exc)}); {START_IT}", everywhere=True) from None
 
 
@@ -261,13 +261,13 @@ class FaultTolerantOptimization(Optimization):
         """A quorum or commit that fails: the lighthouse (or this group's manager) is gone."""
         try:
             yield
-        except SetupError:
+        except ProjectError:
             raise
         except Exception as exc:
             if not self._joined:
-                raise SetupError(f"cannot reach the torchft lighthouse at {self.lighthouse} "
+                raise UsageError(f"cannot reach the torchft lighthouse at {self.lighthouse} "
                                  f"({_first_line(exc)}); {START_IT}", everywhere=True) from None
-            raise SetupError(f"lost the torchft lighthouse at {self.lighthouse} "
+            raise RunFailure(f"lost the torchft lighthouse at {self.lighthouse} "
                              f"({_first_line(exc)}); restart it, then the replica groups (they "
                              "resume from their checkpoints)", everywhere=True) from None
 
@@ -334,7 +334,7 @@ class Healing:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         t = self.trainer
         if self.training:  # it cannot rewind the loop it is in: start over, and heal at start
-            raise SetupError("this replica group fell behind the others (a step it could not "
+            raise RunFailure("this replica group fell behind the others (a step it could not "
                              "commit); restart it and it heals from them", everywhere=True)
         t.unwrapped.load_state_dict(state["model"])
         t.optim.optimizer.load_state_dict(state["optimizer"])
@@ -380,14 +380,14 @@ def build_replica_trainer(cfg: Config, world: World, backend: str, devices: list
 def refuse_unsupported(cfg: Config) -> None:
     """The settings a replica group cannot train with (yet)."""
     if cfg.model_layout != "data_parallel":
-        raise SetupError(f"train_ft.py needs --model-layout data_parallel (torchft averages whole "
+        raise UsageError(f"train_ft.py needs --model-layout data_parallel (torchft averages whole "
                          f"gradients across the replica groups), not {cfg.model_layout}",
                          everywhere=True)
     if cfg.ema_decay:
-        raise SetupError("train_ft.py does not take --ema-decay yet: a replica group that heals "
+        raise UsageError("train_ft.py does not take --ema-decay yet: a replica group that heals "
                          "would not get the others' average; train without it", everywhere=True)
     if cfg.comm_hook == "powersgd":
-        raise SetupError("train_ft.py does not take --comm-hook powersgd: its state (each rank's "
+        raise UsageError("train_ft.py does not take --comm-hook powersgd: its state (each rank's "
                          "error feedback) is not copied when a replica group heals, so the groups "
                          "would drift apart; use --comm-hook none, bf16 or fp16", everywhere=True)
 
@@ -452,7 +452,7 @@ def plain_main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv, getattr(task, "Settings", None))
     try:
         refuse_plain_run(os.environ)
-    except SetupError as exc:
+    except ProjectError as exc:
         report_error(exc)
         return 1
     return start(cfg, entry.work)

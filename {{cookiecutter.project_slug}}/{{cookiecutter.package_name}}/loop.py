@@ -21,7 +21,7 @@ from .checkpoint.checkpointer import Checkpointer
 from .config import Config
 from .data import ShardedBatchSampler, move_to
 from .evaluation import Evaluation, Evaluator
-from .failures import SetupError
+from .failures import UsageError
 from .meters import Throughput
 from .metrics import Metrics
 from .optim import Optimization
@@ -161,7 +161,7 @@ class Trainer:
     def _check_loss(self, loss: Any) -> None:
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise SetupError(f"task.loss_fn must return the batch's mean loss as a scalar tensor "
+            raise UsageError(f"task.loss_fn must return the batch's mean loss as a scalar tensor "
                              f"that requires grad; it returned {shape}", everywhere=True)
         self._checked_loss = True
 

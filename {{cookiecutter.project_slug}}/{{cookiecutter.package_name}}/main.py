@@ -25,7 +25,7 @@ from .data import (
     validation_batches,
 )
 from .evaluation import Evaluator
-from .failures import SetupError
+from .failures import RunFailure, UsageError
 from .loop import Data, Runtime, Trainer
 from .optim import Optimization
 from .parallel import parallelize
@@ -98,7 +98,7 @@ def load_datasets(cfg: Config) -> tuple[Any, Any]:
     refused."""
     train_set, val_set = task.build_datasets(cfg)
     if len(train_set) == 0:
-        raise SetupError("task.build_datasets returned an empty training set", everywhere=True)
+        raise UsageError("task.build_datasets returned an empty training set", everywhere=True)
     return train_set, val_set
 
 
@@ -159,7 +159,7 @@ def build_model(cfg: Config) -> torch.nn.Module:
                  "gradients and optimizer state")
     except Exception:  # a task.build_model that cannot run on the meta device
         pass
-    raise SetupError(f"task.build_model: out of memory{what}; build a smaller model (e.g. "
+    raise RunFailure(f"task.build_model: out of memory{what}; build a smaller model (e.g. "
                      "--hidden-size, --num-layers)", everywhere=True)
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .checkpoint import storage
 from .config import Config
-from .failures import SetupError, agree
+from .failures import RunFailure, UsageError, agree
 from .meters import Progress, StepClock, StepProfiler, Throughput
 from .runtime.environments import World
 from .runtime.trackers import Tracker, open_tracker
@@ -77,7 +77,7 @@ class Metrics:
                 Path(cfg.step_times).parent.mkdir(parents=True, exist_ok=True)
                 Path(cfg.step_times).touch()
             except OSError as exc:
-                raise SetupError(f"--step-times {cfg.step_times}: cannot write it "
+                raise UsageError(f"--step-times {cfg.step_times}: cannot write it "
                                  f"({exc.strerror or exc})") from None
 
     # ---------------------------------------------------------------- during training
@@ -118,7 +118,7 @@ class Metrics:
         loss, stop, self.peak_mem_mb, self.peak_reserved_mb = log_step_stats(
             self._loss_sum, self._loss_count, signum is not None, self.device, self.comm_device)
         if not math.isfinite(loss):
-            raise SetupError(f"the loss became {loss} by step {step}; {self.newest_checkpoint()}; "
+            raise RunFailure(f"the loss became {loss} by step {step}; {self.newest_checkpoint()}; "
                              "lower --lr, use --clip-grad, or check the data", everywhere=True)
         if stop:  # some rank was asked to stop: every rank stops after this step
             self.stopped_by = signal.Signals(signum).name if signum else "another rank's signal"
@@ -207,7 +207,7 @@ class MetricsWriter:
             self._file = open(self.output_dir / "metrics.jsonl", "a" if append else "w",
                               encoding="utf-8")
         except OSError as exc:
-            raise SetupError(f"--output-dir {output_dir}: cannot write there "
+            raise UsageError(f"--output-dir {output_dir}: cannot write there "
                              f"({exc.strerror or exc}); choose a writable folder") from None
         self.tracker = open_tracker(tracker, self.output_dir, config or {}, tracker_run_id)
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from .config import Config
 from .ema import EMA
-from .failures import SetupError
+from .failures import UsageError
 from .parallel import unwrap
 
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,7 +49,7 @@ class Optimization:
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device, total_steps: int,
                  autocast: bool = True, configure: Callable | None = None) -> None:
         if cfg.precision == "fp16" and device.type != "cuda":
-            raise SetupError("--precision fp16 needs CUDA (it relies on a GradScaler); use "
+            raise UsageError("--precision fp16 needs CUDA (it relies on a GradScaler); use "
                              "--precision bf16 on CPU", everywhere=True)
         self.cfg, self.device, self.total_steps = cfg, device, total_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -59,7 +59,7 @@ class Optimization:
             fused=True if device.type == "cuda" else None)
         self.optimizer, scheduler = made if isinstance(made, tuple) else (made, None)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise SetupError("task.configure_optimizer must return a torch.optim.Optimizer or an "
+            raise UsageError("task.configure_optimizer must return a torch.optim.Optimizer or an "
                              f"(optimizer, scheduler) pair, not {type(made).__name__}",
                              everywhere=True)
         self.scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .config import Config
 from .data import move_to
-from .failures import SetupError
+from .failures import UsageError
 
 
 def model_blocks(model: nn.Module, task: Any) -> list[nn.Module] | None:
@@ -35,7 +35,7 @@ def model_blocks(model: nn.Module, task: Any) -> list[nn.Module] | None:
     if hasattr(task, "blocks"):
         found = list(task.blocks(model))
         if not found or not all(isinstance(b, nn.Module) for b in found):
-            raise SetupError("task.blocks(model) must return a non-empty list of the model's "
+            raise UsageError("task.blocks(model) must return a non-empty list of the model's "
                              "submodules", everywhere=True)
         return found
     if isinstance(model, nn.Sequential) and len(model) > 1:
@@ -79,7 +79,7 @@ def split_over_two(model: nn.Module, blocks: list[nn.Module], devices: list[torc
 
 def _check_compile() -> None:
     if not getattr(torch._dynamo, "is_dynamo_supported", lambda: True)():
-        raise SetupError(f"--compile: torch.compile does not support Python "
+        raise UsageError(f"--compile: torch.compile does not support Python "
                          f"{sys.version.split()[0]} on {sys.platform} with PyTorch "
                          f"{torch.__version__}; run without --compile", everywhere=True)
 
@@ -105,7 +105,7 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
     if cfg.model_layout == "model_parallel_2":
         blocks = model_blocks(model, task)
         if blocks is None or len(blocks) < 2:
-            raise SetupError(
+            raise UsageError(
                 f"model_parallel_2 needs to know where to split {type(model).__name__}: define "
                 "blocks(model) in task.py returning its repeated blocks in forward order (at "
                 "least two), or use --model-layout data_parallel", everywhere=True)
@@ -128,7 +128,7 @@ def shard_group_size(asked: int, world_size: int, local_world_size: int) -> int:
     (local_world_size, from the launcher), else every rank."""
     size = asked or (local_world_size if 0 < local_world_size < world_size else world_size)
     if size > world_size or world_size % size:
-        raise SetupError(f"--shard-group-size {size} must divide the {world_size} ranks into "
+        raise UsageError(f"--shard-group-size {size} must divide the {world_size} ranks into "
                          "equal groups; give a divisor of the world size (0: one node each)",
                          everywhere=True)
     return size
@@ -147,7 +147,7 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if importlib.util.find_spec("numpy") is None:
-        raise SetupError("--model-layout fsdp saves checkpoints with torch.distributed.checkpoint, "
+        raise UsageError("--model-layout fsdp saves checkpoints with torch.distributed.checkpoint, "
                          "which needs numpy: pip install numpy", everywhere=True)
     model.to(device)
     replicas = dist.get_world_size() // shard

@@ -17,7 +17,7 @@ from torch import nn
 from . import task
 from .config import Config
 from .data import BatchFetcher, ShardedBatchSampler
-from .failures import SetupError
+from .failures import ProjectError, UsageError
 from .optim import AMP_DTYPES, optimizer_state
 from .parallel import model_blocks, rows_on_rank, second_stage, shard_group_size
 
@@ -39,7 +39,7 @@ def human_size(n_bytes: float) -> str:
 def static_memory(cfg: Config, layout: str, world: int,
                   per_node: int = 0) -> tuple[list[dict[str, Any]], str]:
     """(bytes on each GPU of one process, model_parallel_2 two; the optimizer's name) for `layout`
-    at `world` processes, `per_node` a node. SetupError where the layout cannot take the model."""
+    at `world` processes, `per_node` a node. UsageError where the layout cannot take the model."""
     cfg = dataclasses.replace(cfg, model_layout=layout)
     with torch.device("meta"):
         model = task.build_model(cfg)
@@ -47,7 +47,7 @@ def static_memory(cfg: Config, layout: str, world: int,
     # fsdp shards over groups of --shard-group-size ranks (HSDP; 0: a node when there are several)
     shards = shard_group_size(cfg.shard_group_size, world, per_node) if layout == "fsdp" else 1
     if layout == "model_parallel_2" and len(blocks) < 2:  # parallel.parallelize's refusal
-        raise SetupError(f"model_parallel_2 needs to know where to split {type(model).__name__}: "
+        raise UsageError(f"model_parallel_2 needs to know where to split {type(model).__name__}: "
                          "define blocks(model) in task.py")
     second = second_stage(model, blocks) if layout == "model_parallel_2" else set()
     owner = {id(t): int(m in second) for m in model.modules()
@@ -235,10 +235,10 @@ def plan(cfg: Config, world: int, gpu_gb: float, per_node: int) -> int:
     try:
         with torch.device("meta"):
             model = task.build_model(cfg)
-    except SetupError:
+    except ProjectError:
         raise
     except Exception as exc:  # e.g. weights read from a file, or a value from a tensor
-        raise SetupError(f"task.build_model cannot build the model on the meta device, which "
+        raise UsageError(f"task.build_model cannot build the model on the meta device, which "
                          f"the plan needs ({type(exc).__name__}: {exc})") from None
     params = list(model.parameters())
     samples, source, train_set = training_data(cfg)
@@ -247,7 +247,7 @@ def plan(cfg: Config, world: int, gpu_gb: float, per_node: int) -> int:
     for layout in LAYOUTS:
         try:
             gpus, optimizer = static_memory(cfg, layout, world, per_node)
-        except SetupError as exc:
+        except ProjectError as exc:
             errors[layout] = str(exc)
             continue
         for i, figures in enumerate(gpus):

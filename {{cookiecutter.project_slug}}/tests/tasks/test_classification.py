@@ -27,7 +27,7 @@ from conftest import (
 from PIL import Image
 
 from {{ cookiecutter.package_name }} import task
-from {{ cookiecutter.package_name }}.failures import SetupError
+from {{ cookiecutter.package_name }}.failures import UsageError
 
 
 def test_learns_far_better_than_chance(workdir):
@@ -105,18 +105,18 @@ def write_bad_file(path, kind: str) -> None:
 @pytest.mark.parametrize("kind", BAD_FILES)
 def test_a_file_that_cannot_be_decoded_is_named(tmp_path, kind):
     write_bad_file(tmp_path / "bad.png", kind)
-    with pytest.raises(SetupError, match=f"--data: {tmp_path / 'bad.png'} cannot be decoded"):
+    with pytest.raises(UsageError, match=f"--data: {tmp_path / 'bad.png'} cannot be decoded"):
         task.read_image(tmp_path / "bad.png")
 
 
 def test_a_class_folder_without_images_says_which_and_why(tmp_path):
     write_image_folder(tmp_path / "images", per_class=2)
     (tmp_path / "images/class2").mkdir()
-    with pytest.raises(SetupError, match="class 'class2' has no images; put its images in it"):
+    with pytest.raises(UsageError, match="class 'class2' has no images; put its images in it"):
         task.ImageFolder(tmp_path / "images", augment=False)
     (tmp_path / "images/class2/more").mkdir()
     Image.new("RGB", (8, 8)).save(tmp_path / "images/class2/more/0.png")
-    with pytest.raises(SetupError, match="its images are one folder too deep"):
+    with pytest.raises(UsageError, match="its images are one folder too deep"):
         task.ImageFolder(tmp_path / "images", augment=False)
 
 
@@ -196,7 +196,7 @@ def test_16_bit_colour_and_32_bit_grey_in_range_are_read(tmp_path):
 @pytest.mark.parametrize("mode, value", [("I", 100000), ("I", -1), ("F", 2.0), ("F", float("nan"))])
 def test_a_32_bit_image_with_no_8_bit_scale_is_named(tmp_path, mode, value):
     Image.new(mode, (5, 4), value).save(tmp_path / "wide.tiff")
-    with pytest.raises(SetupError, match=f"--data: {tmp_path / 'wide.tiff'} is a 32-bit image "
+    with pytest.raises(UsageError, match=f"--data: {tmp_path / 'wide.tiff'} is a 32-bit image "
                                          "with values outside .*; convert it to 8 or 16 bits"):
         task.read_image(tmp_path / "wide.tiff")
 
@@ -248,6 +248,6 @@ def test_a_class_folder_that_cannot_be_listed_is_one_error_line(tmp_path, monkey
         return iterdir(self)
 
     monkeypatch.setattr(Path, "iterdir", listing)
-    with pytest.raises(SetupError, match=f"cannot list {tmp_path / 'images/class1'} "
+    with pytest.raises(UsageError, match=f"cannot list {tmp_path / 'images/class1'} "
                                          r"\(Permission denied\); fix its permissions"):
         task.ImageFolder(tmp_path / "images", augment=False)

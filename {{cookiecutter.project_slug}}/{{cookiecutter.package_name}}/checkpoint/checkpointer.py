@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config import Config
-from ..failures import SetupError, agree
+from ..failures import ProjectError, RunFailure, agree
 from ..optim import Optimization
 from ..runtime.comm_hooks import PowerSGD
 from ..runtime.environments import World
@@ -195,10 +195,10 @@ class Checkpointer:
         try:
             meta = load_into(path, self.model, self.optim.optimizer, self.world.world_size,
                              self.world.rank, self.cfg.batch_size, self.device, self.optim.ema)
-        except SetupError:
+        except ProjectError:
             raise
         except Exception as exc:  # its metadata read, but not all loads
-            raise SetupError(f"cannot load checkpoint {path} ({type(exc).__name__}: "
+            raise RunFailure(f"cannot load checkpoint {path} ({type(exc).__name__}: "
                              f"{str(exc).strip().splitlines()[0] if str(exc) else ''}); use "
                              "--resume with an older one, or --resume never",
                              everywhere=True) from exc

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..ema import model_state
-from ..failures import SetupError
+from ..failures import ProjectError, UsageError
 from . import storage
 from .files import load_checkpoint, read_meta, unreadable, write_file
 from .storage import AnyPath
@@ -34,12 +34,12 @@ def model_and_meta(source: AnyPath, raw_weights: bool = False) -> tuple[dict[str
     try:
         found = source.exists()
     except OSError as exc:  # object storage: credentials, endpoint
-        raise SetupError(f"{source}: {storage.diagnosis(str(source), exc)}") from None
+        raise UsageError(f"{source}: {storage.diagnosis(str(source), exc)}") from None
     if not found:
-        raise SetupError(f"{source}: no such file or folder")
+        raise UsageError(f"{source}: no such file or folder")
     why = unreadable(source)
     if why:
-        raise SetupError(f"{source}: cannot load it ({why})")
+        raise UsageError(f"{source}: cannot load it ({why})")
     if source.is_dir():
         state, meta = load_full_state(storage.local_copy(source)), read_meta(source)
     else:
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         export(storage.given(args.source), storage.given(args.output), args.raw_weights)
-    except SetupError as exc:
+    except ProjectError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(args.output)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..failures import SetupError
+from ..failures import RunFailure
 from . import storage
 from .storage import AnyPath, RemotePath
 
@@ -128,7 +128,7 @@ def write_file(state: dict[str, Any], path: AnyPath, newest: str = "",
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as either
         why = exc.__context__ if isinstance(exc, RuntimeError) and exc.__context__ else exc
         why = getattr(why, "strerror", None) or str(why).strip().splitlines()[0]
-        raise SetupError(f"cannot write checkpoint {path} ({why}); free space or choose another "
+        raise RunFailure(f"cannot write checkpoint {path} ({why}); free space or choose another "
                          "--checkpoint-dir") from None
     finally:
         try:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..failures import SetupError
+from ..failures import ProjectError, RunFailure, UsageError
 from . import storage
 from .files import (
     checkpoint_path,
@@ -56,7 +56,7 @@ def _lock(handle: Any) -> bool:
 def probe(directory: RemotePath, timeout_s: float, flag: str = "--checkpoint-dir") -> None:
     """Write, list and delete a small object under `directory`, so that a bucket that does not
     exist, refused credentials, an unreachable endpoint or a read-only prefix is one line before
-    training (SetupError), within `timeout_s`."""
+    training (UsageError), within `timeout_s`."""
     key = f"{directory.key}/.write-probe-{socket.gethostname()}-{os.getpid()}"
 
     def attempt() -> None:
@@ -67,9 +67,9 @@ def probe(directory: RemotePath, timeout_s: float, flag: str = "--checkpoint-dir
     failure = storage.within(attempt, timeout_s)
     where = f"{flag} {storage.redact(directory.url)}"
     if isinstance(failure, TimeoutError):
-        raise SetupError(f"{where}: {failure}; check AWS_ENDPOINT_URL and the network")
+        raise UsageError(f"{where}: {failure}; check AWS_ENDPOINT_URL and the network")
     if failure is not None:
-        raise SetupError(f"{where}: {storage.diagnosis(directory.url, failure)}")
+        raise UsageError(f"{where}: {storage.diagnosis(directory.url, failure)}")
 
 
 class CheckpointDir:
@@ -84,7 +84,7 @@ class CheckpointDir:
         self.keep_step: int | None = None  # --keep-best's checkpoint: never pruned
         self._lock_file: Any = None
         self._thread: threading.Thread | None = None
-        self._error: SetupError | None = None
+        self._error: ProjectError | None = None
 
     def open(self) -> None:
         """Create and lock the folder, check it is writable, clear leftovers of killed saves.
@@ -96,20 +96,20 @@ class CheckpointDir:
                     if not is_complete(path) and path.is_dir() and path.age_s() > STALE_S:
                         storage.remove(path)
             except OSError as exc:  # e.g. allowed to write but not to list
-                raise SetupError(f"--checkpoint-dir {self.directory}: "
+                raise UsageError(f"--checkpoint-dir {self.directory}: "
                                  f"{storage.diagnosis(str(self.directory), exc)}") from None
             return
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             handle = open(self.directory / ".lock", "a+")
         except OSError as exc:
-            raise SetupError(f"--checkpoint-dir {self.directory}: cannot write there "
+            raise UsageError(f"--checkpoint-dir {self.directory}: cannot write there "
                              f"({exc.strerror or exc}); choose a writable folder") from None
         if not _lock(handle):
             handle.seek(0)
             owner = handle.read().strip() or "another process"
             handle.close()
-            raise SetupError(f"--checkpoint-dir {self.directory} is in use by a run that is still "
+            raise UsageError(f"--checkpoint-dir {self.directory} is in use by a run that is still "
                              f"going ({owner}); wait for it, or use another --checkpoint-dir")
         handle.seek(0)
         handle.truncate()
@@ -125,7 +125,7 @@ class CheckpointDir:
             return
         free = shutil.disk_usage(self.directory).free
         if free < needed:
-            raise SetupError(f"--checkpoint-dir {self.directory} has {free / 2**20:.0f} MB free; "
+            raise UsageError(f"--checkpoint-dir {self.directory} has {free / 2**20:.0f} MB free; "
                              f"a checkpoint of this model needs about {needed / 2**20:.0f} MB: "
                              "free space or choose another --checkpoint-dir")
 
@@ -195,10 +195,10 @@ class CheckpointDir:
         def run() -> None:
             try:
                 job()
-            except SetupError as exc:
+            except ProjectError as exc:  # kept whole: its class and flags
                 self._error = exc
             except Exception as exc:  # report it at the next save instead of losing it
-                self._error = SetupError(f"background checkpoint save failed: {exc!r}")
+                self._error = RunFailure(f"background checkpoint save failed: {exc!r}")
 
         self._thread = threading.Thread(target=run, name="checkpoint-save", daemon=True)
         self._thread.start()

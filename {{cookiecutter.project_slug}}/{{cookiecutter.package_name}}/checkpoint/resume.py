@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..ema import EMA
-from ..failures import SetupError
+from ..failures import UsageError
 from . import storage
 from .files import is_complete, list_checkpoints, load_checkpoint, read_meta, unreadable
 
@@ -32,12 +32,12 @@ def pick_checkpoint(resume: str, directory: str) -> storage.AnyPath | None:
         path = storage.location(resume)
         inside = list_checkpoints(path) if not is_complete(path) else []
         if inside:
-            raise SetupError(f"--resume {resume} is a folder of checkpoints, not one; name one of "
+            raise UsageError(f"--resume {resume} is a folder of checkpoints, not one; name one of "
                              f"them (the newest is {inside[0]}), or use --resume auto "
                              f"--checkpoint-dir {resume}")
         why = unreadable(path, resuming=True)
         if why:
-            raise SetupError(f"--resume {resume}: cannot load it ({why}); pick another checkpoint "
+            raise UsageError(f"--resume {resume}: cannot load it ({why}); pick another checkpoint "
                              "or use --resume auto")
         return path
     for path in list_checkpoints(directory):
@@ -56,15 +56,15 @@ def check_same_shapes(model_state: dict[str, torch.Tensor], saved: dict[str, Any
     way_out = ("use --resume never to start over, or another --checkpoint-dir for the new model")
     for key, value in model_state.items():
         if key not in saved:
-            raise SetupError(f"checkpoint {path} has no '{key}' (is it of another model?); "
+            raise UsageError(f"checkpoint {path} has no '{key}' (is it of another model?); "
                              f"{way_out}", everywhere=True)
         if tuple(saved[key].shape) != tuple(value.shape):
-            raise SetupError(f"checkpoint {path} does not fit the model: '{key}' is "
+            raise UsageError(f"checkpoint {path} does not fit the model: '{key}' is "
                              f"{tuple(saved[key].shape)} there and {tuple(value.shape)} here; "
                              f"{way_out}", everywhere=True)
     extra = sorted(set(saved) - set(model_state))
     if extra:
-        raise SetupError(f"checkpoint {path} has '{extra[0]}', which the model does not; "
+        raise UsageError(f"checkpoint {path} has '{extra[0]}', which the model does not; "
                          f"{way_out}", everywhere=True)
 
 

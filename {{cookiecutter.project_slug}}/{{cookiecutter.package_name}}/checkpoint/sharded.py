@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ..failures import SetupError, agree
+from ..failures import RunFailure, agree
 from . import storage
 from .files import META, checkpoint_path, newest_complete
 from .folder import CheckpointDir
@@ -121,7 +121,7 @@ class ShardedCheckpoints:
             self._pending = dcp.async_save(state, checkpoint_id=str(tmp),
                                            process_group=self._group, **extra)
         except CheckpointException as exc:  # a full disk, a folder that went away
-            raise SetupError(f"cannot write checkpoint {final} {self._failure(exc)}",
+            raise RunFailure(f"cannot write checkpoint {final} {self._failure(exc)}",
                              everywhere=True) from None
         self._in_flight = final
         if self.ckpt_dir is not None:
@@ -135,7 +135,7 @@ class ShardedCheckpoints:
             try:
                 pending.result()
             except (Exception, CheckpointException) as exc:
-                raise SetupError(f"a background checkpoint save failed {self._failure(exc)}",
+                raise RunFailure(f"a background checkpoint save failed {self._failure(exc)}",
                                  everywhere=True) from None
             agree(lambda: self.ckpt_dir.wait(), self.comm_device)
             self.saved = self._in_flight

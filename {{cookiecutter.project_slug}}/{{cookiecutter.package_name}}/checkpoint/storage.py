@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from ..failures import SetupError, bounded
+from ..failures import RunFailure, UsageError, bounded
 
 INSTALL = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
            "abfs": "adlfs", "abfss": "adlfs"}
@@ -78,10 +78,10 @@ def location(value: str | Path | RemotePath) -> Path | RemotePath:
 
 
 def given(value: str) -> AnyPath:
-    """`location` of a path or URL a user typed; a URL that cannot work is one SetupError."""
+    """`location` of a path or URL a user typed; a URL that cannot work is one UsageError."""
     why = url_problem(value)
     if why:
-        raise SetupError(f"{redact(value)}: {why}")
+        raise UsageError(f"{redact(value)}: {why}")
     return location(value)
 
 
@@ -103,7 +103,7 @@ def filesystem(url: str) -> Any:
     try:
         return fsspec.filesystem(scheme, **kwargs)
     except ImportError:
-        raise SetupError(_install(scheme, INSTALL.get(scheme, "its fsspec package"))) from None
+        raise UsageError(_install(scheme, INSTALL.get(scheme, "its fsspec package"))) from None
 
 
 class RemotePath:
@@ -208,7 +208,7 @@ def upload(local: Path, target: RemotePath, newest: str, timeout_s: float) -> No
             return
         if attempt == UPLOAD_TRIES or isinstance(failure, TimeoutError):
             tries = "" if isinstance(failure, TimeoutError) else f" after {UPLOAD_TRIES} tries"
-            raise SetupError(f"cannot upload checkpoint {target}{tries} ({reason(failure)}); "
+            raise RunFailure(f"cannot upload checkpoint {target}{tries} ({reason(failure)}); "
                              f"{newest}") from None
         time.sleep(2 ** attempt)
 

@@ -24,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import Config
-from ..failures import SetupError
+from ..failures import UsageError
 
 
 # The hooks' `bucket` is a dist.GradBucket. It is not annotated: DDP compares the annotation with
@@ -48,7 +48,7 @@ def register_comm_hook(model: nn.Module, cfg: Config) -> PowerSGD | None:
         ddp.register_comm_hook(None, bf16_compress)
         return None
     if importlib.util.find_spec("numpy") is None:
-        raise SetupError("--comm-hook powersgd needs numpy (torch's PowerSGD draws its random "
+        raise UsageError("--comm-hook powersgd needs numpy (torch's PowerSGD draws its random "
                          "projections with it): pip install numpy", everywhere=True)
     return PowerSGD(ddp, cfg.powersgd_rank, cfg.powersgd_warmup_steps)
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..failures import SetupError
+from ..failures import UsageError
 
 
 @dataclass(frozen=True)
@@ -50,18 +50,18 @@ def _int_var(env: Mapping[str, str], name: str) -> int:
     try:
         return int(env[name])
     except KeyError:
-        raise SetupError(f"environment variable {name} is not set; start the job with its "
+        raise UsageError(f"environment variable {name} is not set; start the job with its "
                          "launcher") from None
     except ValueError:
-        raise SetupError(f"environment variable {name}={env[name]!r} is not an integer") from None
+        raise UsageError(f"environment variable {name}={env[name]!r} is not an integer") from None
 
 
 def _check_ranks(rank: int, local_rank: int, world_size: int, source: str) -> None:
     if world_size < 1 or not 0 <= rank < world_size:
-        raise SetupError(f"{source}: rank {rank} is outside a world of {world_size} processes; "
+        raise UsageError(f"{source}: rank {rank} is outside a world of {world_size} processes; "
                          "check the process counts given to the launcher")
     if local_rank < 0:
-        raise SetupError(f"{source}: local rank {local_rank} is negative")
+        raise UsageError(f"{source}: local rank {local_rank} is negative")
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -88,12 +88,12 @@ class TorchrunEnvironment:
         elif local_rank_flag is not None:
             local_rank = local_rank_flag
         else:
-            raise SetupError(f"RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} are set in "
+            raise UsageError(f"RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} are set in "
                              "the environment but LOCAL_RANK is not, so no launcher started this "
                              "process; unset RANK and WORLD_SIZE to train in one process, or "
                              "start it with torchrun, which sets all three")
         if check and "TORCHELASTIC_RUN_ID" not in env and not 0 <= rank < world_size:
-            raise SetupError(f"RANK={rank} is outside a world of WORLD_SIZE={world_size} "
+            raise UsageError(f"RANK={rank} is outside a world of WORLD_SIZE={world_size} "
                              "processes, and no launcher set them (TORCHELASTIC_RUN_ID is unset): "
                              f"set RANK from 0 to {world_size - 1}, or unset RANK, WORLD_SIZE and "
                              "LOCAL_RANK to train in one process")
@@ -212,14 +212,14 @@ class SlurmEnvironment:
         if not check:
             return world
         if world_size > 1 and not in_step:
-            raise SetupError(f"{tasks_var}={world_size} but this process was not started by srun; "
+            raise UsageError(f"{tasks_var}={world_size} but this process was not started by srun; "
                              "run `srun python train.py` inside the batch script (or use torchrun)")
         _check_ranks(rank, local_rank, world_size, f"SLURM (SLURM_PROCID/{tasks_var})")
         if local_rank >= local_world_size:
-            raise SetupError(f"SLURM_LOCALID={local_rank} but only {local_world_size} tasks on "
+            raise UsageError(f"SLURM_LOCALID={local_rank} but only {local_world_size} tasks on "
                              "this node; make --ntasks-per-node match the tasks srun starts")
         if in_step and sum(per_node) != world_size:
-            raise SetupError(f"{tasks_var}={world_size} but the tasks per node ({per_node_text}) "
+            raise UsageError(f"{tasks_var}={world_size} but the tasks per node ({per_node_text}) "
                              f"add up to {sum(per_node)}; use --ntasks-per-node (not --ntasks) so "
                              "every node runs the same number of tasks")
         return world
@@ -237,7 +237,7 @@ class SingleProcessEnvironment:
         if check and env.get("PET_NNODES", "1") not in ("", "1"):
             # A Kubeflow Trainer v2 pod gives only torchrun's PET_* variables: without torchrun
             # every pod would train alone, all into the same checkpoints.
-            raise SetupError(f"PET_NNODES={env['PET_NNODES']} is set (a Kubeflow Trainer v2 pod) "
+            raise UsageError(f"PET_NNODES={env['PET_NNODES']} is set (a Kubeflow Trainer v2 pod) "
                              "but no launcher started this process; run train.py through "
                              "torchrun, which reads the PET_* variables (see k8s/trainjob.yaml)")
         port = _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else find_free_port()

@@ -24,13 +24,15 @@ from ..failures import (
     QUIET_EXIT_DELAY_S,
     LostContact,
     PeerErrors,
-    SetupError,
+    ProjectError,
+    RunFailure,
+    UsageError,
     is_communication_failure,
-    keep_torch_messages_in,
+    kind_name,
     report_error,
 )
 from .environments import World, find_free_port, resolve_world
-from .lifeline import STOP_SIGNALS, Lifeline
+from .lifeline import STOP_SIGNALS, Lifeline, keep_torch_messages_in
 from .nccl import flight_recorder_hint, nccl_env, startup_timeout_s
 from .network import Route, route_to, socket_interface_env
 from .rendezvous import (
@@ -137,20 +139,21 @@ def run(cfg: Config, world: World, work: Work) -> dict:
         peers.announce()
         try:
             return work(cfg, world, setup.backend, setup.devices, lifeline)
-        except SetupError as exc:
+        except ProjectError as exc:
             if not (exc.quiet or exc.everywhere):
-                peers.record(str(exc))  # this rank's own problem: tell the others why
+                peers.record(str(exc), kind_name(exc))  # this rank's own: tell the others why
             raise
         except Exception as exc:
             if world.world_size > 1 and is_communication_failure(exc):
                 with lifeline.waiting("the job's store, to learn why the others stopped",
                                       "see the other ranks' output", phase="error reporting"):
                     error = peers.explain(exc, cfg.timeout_s)
-                if setup.backend == "nccl":
-                    error = SetupError(f"{error}; {flight_recorder_hint(cfg.output_dir)}",
-                                       quiet=error.quiet)
+                if setup.backend == "nccl":  # the same class: LostContact stays LostContact
+                    error = type(error)(f"{error}; {flight_recorder_hint(cfg.output_dir)}",
+                                        quiet=error.quiet)
                 raise error from exc
-            peers.record(f"{type(exc).__name__}: {exc}".splitlines()[0])
+            # A crash, not a known failure: the others learn of it as a RunFailure.
+            peers.record(f"{type(exc).__name__}: {exc}".splitlines()[0], kind_name(exc))
             raise
 
 
@@ -160,7 +163,7 @@ def run_and_report(cfg: Config, world: World, work: Work) -> int:
     signal's number (130 for Ctrl-C, 143 for SIGTERM), so `train && next` does not go on."""
     try:
         result = run(cfg, world, work)
-    except SetupError as exc:
+    except ProjectError as exc:
         agent = launcher_pid(world) if world.launcher == "torchrun" else 0
         if isinstance(exc, LostContact) and agent and world.world_size > world.local_world_size:
             report_error(LostContact(f"{exc}. torchrun's agent on this node was stopped too: it "
@@ -182,11 +185,11 @@ def start(cfg: Config, work: Work) -> int:
         world = resolve_world(local_rank_flag=cfg.local_rank)
         if cfg.nprocs > 1:
             if world.launcher != "none":
-                raise SetupError(f"--nprocs starts processes itself, but this one was started by "
+                raise UsageError(f"--nprocs starts processes itself, but this one was started by "
                                  f"{world.launcher}; drop --nprocs (the launcher sets the process "
                                  "count)", everywhere=True)
             return spawn(cfg, work)
-    except SetupError as exc:
+    except ProjectError as exc:
         report_error(exc)
         return 1
     return run_and_report(cfg, world, work)
@@ -246,7 +249,7 @@ def _wait_for_workers(processes: list, stop: list[int]) -> int:
             how = (f"was killed by {signal.Signals(-code).name}" if code < 0
                    else f"exited with code {code}")
             if code != 1:  # exit code 1: a worker that printed its own `error:` line
-                report_error(SetupError(f"worker {index} {how}; the other workers were "
+                report_error(RunFailure(f"worker {index} {how}; the other workers were "
                                         "stopped"))
             for process in processes:
                 process.join()

@@ -15,6 +15,9 @@ it. So one watcher thread per process does two jobs:
 
 The thread needs the interpreter lock. When a C call holds it, the backstop (backstop.py), a
 watchdog process that gets every signal and deadline too, ends the process instead.
+
+The terminal is kept for these lines and the process's own: torch's C++ messages go to a log file
+(`keep_torch_messages_in`).
 """
 
 from __future__ import annotations
@@ -23,14 +26,43 @@ import os
 import select
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..failures import terminal_fd
 from .backstop import MARGIN_S, SAME_EVENT_S, Backstop
+
+_terminal_fd = 2  # where this process's own lines go (see keep_torch_messages_in)
+
+
+def terminal_fd() -> int:
+    return _terminal_fd
+
+
+def keep_torch_messages_in(path: Path) -> None:
+    """Send what torch's C++ code writes to stderr to `path`: a store that cannot be reached
+    retries with 30 lines of C++ stack frames each time, sockets warn about host names. This
+    process's own lines (Python's sys.stderr) keep the terminal. Skipped when TORCH_CPP_LOG_LEVEL
+    is set: whoever sets it wants to read them."""
+    global _terminal_fd
+    if "TORCH_CPP_LOG_LEVEL" in os.environ or _terminal_fd != 2:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:
+        return  # an output dir that cannot be written is reported by what writes there
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    os.dup2(log, 2)  # file descriptor 2: where C++ code writes
+    os.close(log)
+    sys.stderr = open(terminal, "w", buffering=1, encoding=sys.stderr.encoding,
+                      errors="backslashreplace")
+    _terminal_fd = terminal
+
 
 STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT] + (
     [signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])

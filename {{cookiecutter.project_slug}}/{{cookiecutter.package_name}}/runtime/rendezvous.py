@@ -23,7 +23,7 @@ try:
 except ImportError:  # Windows
     fcntl = None
 
-from ..failures import SetupError
+from ..failures import ProjectError, RunFailure, UsageError
 from .environments import World
 from .lifeline import Lifeline
 from .network import VARIABLES, advertised_address, route_to
@@ -38,13 +38,13 @@ def resolve_backend(requested: str, cuda_count: int, nccl_available: bool,
         return "nccl" if cuda_count > 0 and nccl_available and platform != "win32" else "gloo"
     if requested == "nccl":
         if platform == "win32":
-            raise SetupError("backend nccl does not exist on Windows; use --backend gloo",
+            raise UsageError("backend nccl does not exist on Windows; use --backend gloo",
                              everywhere=True)
         if not nccl_available:
-            raise SetupError("backend nccl: this PyTorch build has no NCCL; use --backend gloo",
+            raise UsageError("backend nccl: this PyTorch build has no NCCL; use --backend gloo",
                              everywhere=True)
         if cuda_count == 0:
-            raise SetupError("backend nccl needs CUDA GPUs and none are visible; use --backend "
+            raise UsageError("backend nccl needs CUDA GPUs and none are visible; use --backend "
                              "gloo", everywhere=True)
     return requested
 
@@ -58,12 +58,12 @@ def assign_devices(local_rank: int, local_world_size: int, cuda_count: int,
     `--gpus-per-task` does) counts them from 0."""
     if stage_devices:
         if layout != "model_parallel_2":
-            raise SetupError("--stage-devices only applies to --model-layout model_parallel_2",
+            raise UsageError("--stage-devices only applies to --model-layout model_parallel_2",
                              everywhere=True)
         devices = [torch.device(d) for d in stage_devices]
         for d in devices:
             if d.type == "cuda" and (d.index or 0) >= cuda_count:
-                raise SetupError(f"--stage-devices names {d} but only {cuda_count} CUDA devices "
+                raise UsageError(f"--stage-devices names {d} but only {cuda_count} CUDA devices "
                                  "are visible", everywhere=True)
         return devices
     per_process = 2 if layout == "model_parallel_2" else 1
@@ -74,7 +74,7 @@ def assign_devices(local_rank: int, local_world_size: int, cuda_count: int,
     elif cuda_count == per_process and visible_devices:
         first = 0  # CUDA_VISIBLE_DEVICES gave this process its own devices
     else:
-        raise SetupError(
+        raise UsageError(
             f"{local_world_size} processes on this node need {per_process * local_world_size} "
             f"GPUs ({layout}) but {cuda_count} are visible; start fewer processes "
             f"(--nproc-per-node {max(1, cuda_count // per_process)}), "
@@ -119,11 +119,11 @@ def resolve_rendezvous(method: str, world: World, rendezvous_dir: Path,
         method = "file"  # no TCP store to start on Windows: a file next to the run is reliable
     scheme = method.split("://", 1)[0] if "://" in method else None
     if scheme not in (None, "env", "tcp", "file"):
-        raise SetupError(f"--init-method {method!r} is not one of {INIT_METHODS}", everywhere=True)
+        raise UsageError(f"--init-method {method!r} is not one of {INIT_METHODS}", everywhere=True)
     under_torchrun = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if method in ("env", "env://", "tcp"):
         if world.master_port is None:
-            raise SetupError("MASTER_PORT is not set; set MASTER_ADDR and MASTER_PORT, or start "
+            raise UsageError("MASTER_PORT is not set; set MASTER_ADDR and MASTER_PORT, or start "
                              "with torchrun", everywhere=True)
         # torchrun's agent already serves a store on MASTER_PORT; env:// and tcp reuse it.
         kind = "agent" if under_torchrun and world.launcher == "torchrun" else "tcp"
@@ -135,14 +135,14 @@ def resolve_rendezvous(method: str, world: World, rendezvous_dir: Path,
         except ValueError:
             port = None
         if not url.hostname or port is None:
-            raise SetupError(f"--init-method {method}: expected tcp://HOST:PORT", everywhere=True)
+            raise UsageError(f"--init-method {method}: expected tcp://HOST:PORT", everywhere=True)
         return Rendezvous("tcp", url.hostname, port)
     if method == "file":
         path = rendezvous_dir / f"store-{world.run_id}"  # a new file for every launch
     elif method.startswith("file://"):
         host = method[len("file://"):].split("/", 1)[0]
         if host not in ("", "localhost"):
-            raise SetupError(f"--init-method {method}: '{host}' would be read as a host name; use "
+            raise UsageError(f"--init-method {method}: '{host}' would be read as a host name; use "
                              "three slashes (file:///abs/path) or pass a plain path",
                              everywhere=True)
         rest = unquote(method[len("file://"):].removeprefix("localhost"))
@@ -150,15 +150,15 @@ def resolve_rendezvous(method: str, world: World, rendezvous_dir: Path,
     elif "/" in method or os.sep in method or method.startswith("."):
         path = Path(method)
     else:
-        raise SetupError(f"--init-method {method!r} is not one of {INIT_METHODS}", everywhere=True)
+        raise UsageError(f"--init-method {method!r} is not one of {INIT_METHODS}", everywhere=True)
     path = path.resolve()
     if path.is_dir():
-        raise SetupError(f"--init-method {method}: {path} is a folder; name a file inside it",
+        raise UsageError(f"--init-method {method}: {path} is a folder; name a file inside it",
                          everywhere=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise SetupError(f"--init-method {method}: cannot create {path.parent} "
+        raise UsageError(f"--init-method {method}: cannot create {path.parent} "
                          f"({exc.strerror}); pick a writable shared folder",
                          everywhere=True) from None
     check_store_file(path)
@@ -210,13 +210,13 @@ def check_store_file(path: Path) -> None:
     except FileNotFoundError:
         return
     except OSError as exc:
-        raise SetupError(f"rendezvous file {path} cannot be read ({exc.strerror}); delete it or "
+        raise UsageError(f"rendezvous file {path} cannot be read ({exc.strerror}); delete it or "
                          "pick another path", everywhere=True) from None
     if problem:
-        raise SetupError(f"rendezvous file {path} is not a store file: {problem}; delete it, or "
+        raise UsageError(f"rendezvous file {path} is not a store file: {problem}; delete it, or "
                          "use --init-method file for a new file per launch", everywhere=True)
     if info.st_size > 0 and info.st_mtime < time.time() - STALE_AFTER_S:
-        raise SetupError(f"rendezvous file {path} is left over from an earlier run (last written "
+        raise UsageError(f"rendezvous file {path} is left over from an earlier run (last written "
                          f"{time.ctime(info.st_mtime)}); delete it, or use --init-method file for "
                          "a new file per launch", everywhere=True)
 
@@ -234,7 +234,7 @@ def _make_store(rdzv: Rendezvous, world: World, timeout_s: float) -> dist.Store:
                              timeout=timeout, wait_for_workers=False, use_libuv=use_libuv())
     except dist.DistNetworkError as exc:
         if "in use" in str(exc).lower():
-            raise SetupError(f"port {rdzv.port} on {rdzv.host} is already in use; set "
+            raise UsageError(f"port {rdzv.port} on {rdzv.host} is already in use; set "
                              "MASTER_PORT to a free port (or use torchrun --standalone)") from None
         raise
 
@@ -269,7 +269,7 @@ def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
                                     world_size=world.world_size,
                                     timeout=timedelta(seconds=timeout_s), **kwargs)
             dist.barrier()  # the first collective: everyone is here and the backend works
-        except SetupError:
+        except ProjectError:
             raise
         except Exception as exc:  # a timeout, a refused or reset connection, a foreign server
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -278,13 +278,13 @@ def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
             route = route_to(rdzv.host or world.master_addr)
             if "connectFullMesh" in first and route is not None and not route.loopback:
                 # Several machines, and the store worked: the address peers were told did not.
-                raise SetupError(
+                raise UsageError(
                     f"rank {world.rank}: met the other ranks at {rdzv} but could not connect to "
                     f"them ({first}); this rank told them to reach it at "
                     f"{advertised_address(backend, os.environ)}; set {VARIABLES[backend]} on every "
                     "node to the interface that reaches the others (`ip route get "
                     f"{rdzv.host or world.master_addr}` names it)") from None
-            raise SetupError(f"rank {world.rank}: gave up after {timeout_s:g} s waiting for "
+            raise RunFailure(f"rank {world.rank}: gave up after {timeout_s:g} s waiting for "
                              f"{what} ({first}); if they were still starting, raise --timeout-s; "
                              f"else {hint}") from None
     return store

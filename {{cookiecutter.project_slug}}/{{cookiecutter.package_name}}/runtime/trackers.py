@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..failures import SetupError
+from ..failures import UsageError
 
 NOT_SCALARS = ("step", "epoch")
 PROJECT = "{{ cookiecutter.project_slug }}"  # the W&B project and MLflow experiment by default
@@ -37,7 +37,7 @@ def _import(module: str, package: str, tracker: str) -> Any:
     try:
         return __import__(module, fromlist=["_"])
     except ImportError:
-        raise SetupError(f"--tracker {tracker} needs the {package} package: pip install {package} "
+        raise UsageError(f"--tracker {tracker} needs the {package} package: pip install {package} "
                          "(or use --tracker none)") from None
 
 
@@ -73,7 +73,7 @@ class WandbTracker:
                                   config=config if new_run else None,  # logged once, at the start
                                   settings=wandb.Settings(console="off", save_code=False))
         except Exception as exc:
-            raise SetupError(f"--tracker wandb could not start ({type(exc).__name__}: "
+            raise UsageError(f"--tracker wandb could not start ({type(exc).__name__}: "
                              f"{str(exc).strip().splitlines()[0] if str(exc) else ''}); log in "
                              "with `wandb login`, or set WANDB_MODE=offline") from None
 
@@ -108,7 +108,7 @@ class MlflowTracker:
             else:
                 self.run = mlflow.start_run(run_id=run_id)
         except Exception as exc:
-            raise SetupError(f"--tracker mlflow could not start ({type(exc).__name__}: "
+            raise UsageError(f"--tracker mlflow could not start ({type(exc).__name__}: "
                              f"{str(exc).strip().splitlines()[0] if str(exc) else ''}); check "
                              "MLFLOW_TRACKING_URI") from None
         self.run_id = self.run.info.run_id

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from .data import InMemoryDataset, split_for_validation
-from .failures import SetupError, local_rank_from_env
+from .failures import UsageError, local_rank_from_env
 from .settings import setting
 
 if TYPE_CHECKING:  # for the type hints only
@@ -77,18 +77,18 @@ def entries(folder: Path, root: str | Path) -> list[Path]:
     try:
         return sorted(folder.iterdir())
     except OSError as exc:  # e.g. no permission: one line, not a traceback
-        raise SetupError(f"--data {root}: cannot list {folder} ({exc.strerror}); fix its "
+        raise UsageError(f"--data {root}: cannot list {folder} ({exc.strerror}); fix its "
                          "permissions or remove it", everywhere=True) from None
 
 
-def broken_link(root: str | Path, path: Path, hint: str = "") -> SetupError:
+def broken_link(root: str | Path, path: Path, hint: str = "") -> UsageError:
     """A link that leads nowhere (a loop such as `c -> c`, or a missing target), with why."""
     try:
         path.stat()
         why = "it changed while being read"
     except OSError as exc:
         why = exc.strerror
-    return SetupError(f"--data {root}: {path} cannot be read (a link to {os.readlink(path)}: "
+    return UsageError(f"--data {root}: {path} cannot be read (a link to {os.readlink(path)}: "
                       f"{why}); fix the link or remove it{hint}", everywhere=True)
 
 
@@ -119,7 +119,7 @@ def read_image(path: Path) -> torch.Tensor:
             wide = image.mode in ("I", "F") or image.mode.startswith("I;16")
             image = image.convert("F" if image.mode == "F" else "I" if wide else "RGB")
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise SetupError(f"--data: {path} cannot be decoded as an image ({exc}); remove or "
+        raise UsageError(f"--data: {path} cannot be decoded as an image ({exc}); remove or "
                          "replace it, or pass --skip-bad-images to leave such files out") from None
     if not wide:
         pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
@@ -127,7 +127,7 @@ def read_image(path: Path) -> torch.Tensor:
     dtype, top = (torch.float32, 1.0) if image.mode == "F" else (torch.int32, 65535)
     values = torch.frombuffer(bytearray(image.tobytes()), dtype=dtype).float()
     if not ((values >= 0) & (values <= top)).all():  # NaN too: no known scale to 8 bits
-        raise SetupError(f"--data: {path} is a 32-bit image with values outside 0..{top:g}; "
+        raise UsageError(f"--data: {path} is a 32-bit image with values outside 0..{top:g}; "
                          "convert it to 8 or 16 bits, or pass --skip-bad-images to leave such "
                          "files out")
     grey = values.mul(255 / top).round().to(torch.uint8)
@@ -149,7 +149,7 @@ class ImageFolder(Dataset):
                           if p.is_dir() and image_files(p, root, keep_broken=True)]
                 why = (f"its images are one folder too deep ({deeper[0]}): move them up"
                        if deeper else "put its images in it, or remove the folder")
-                raise SetupError(f"--data {root}: class {name!r} has no images; {why}",
+                raise UsageError(f"--data {root}: class {name!r} has no images; {why}",
                                  everywhere=True)
             self.files += [(path, label) for path in files]
         self.skipped = 0
@@ -183,7 +183,7 @@ def model_input(image: torch.Tensor) -> torch.Tensor:
 def decodes(path: Path) -> bool:
     try:
         read_image(path)
-    except SetupError:
+    except UsageError:
         return False
     return True
 
@@ -198,7 +198,7 @@ def class_names(root: str | Path) -> list[str]:
         elif path.is_symlink() and not path.exists():  # a loop, or its target is gone
             raise broken_link(root, path)
     if len(names) < 2:
-        raise SetupError(f"--data {root}: expected a folder with one sub-folder per class (at "
+        raise UsageError(f"--data {root}: expected a folder with one sub-folder per class (at "
                          "least two)", everywhere=True)
     return names
 

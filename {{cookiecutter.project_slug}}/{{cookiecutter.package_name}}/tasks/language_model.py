@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .data import InMemoryDataset, split_for_validation
-from .failures import SetupError
+from .failures import UsageError
 from .settings import setting
 
 if TYPE_CHECKING:  # for the type hints only
@@ -84,7 +84,7 @@ class TextWindows(Dataset):
         size = self.path.stat().st_size
         self.windows = (size - 1) // seq_len
         if self.windows < 2:
-            raise SetupError(f"--data {path}: {size} bytes; this model needs at least "
+            raise UsageError(f"--data {path}: {size} bytes; this model needs at least "
                              f"{2 * seq_len + 1} (two windows of --seq-len {seq_len})",
                              everywhere=True)
 
@@ -139,7 +139,7 @@ class TinyGPT(nn.Module):
                  vocab: int = 256, tie: bool = False) -> None:
         super().__init__()
         if width % heads:
-            raise SetupError(f"--hidden-size {width} must be a multiple of --num-heads {heads}",
+            raise UsageError(f"--hidden-size {width} must be a multiple of --num-heads {heads}",
                              everywhere=True)
         self.embed = nn.Embedding(vocab, width)
         self.position = nn.Parameter(torch.zeros(seq_len, width))
@@ -162,7 +162,7 @@ class TinyGPT(nn.Module):
 def build_model(cfg: Config) -> nn.Module:
     t = cfg.task
     if t.tie_embeddings and cfg.model_layout == "model_parallel_2":
-        raise SetupError("--tie-embeddings: model_parallel_2 puts the embedding and the output "
+        raise UsageError("--tie-embeddings: model_parallel_2 puts the embedding and the output "
                          "layer on different devices, so they cannot share weights; drop "
                          "--tie-embeddings", everywhere=True)
     return TinyGPT(t.hidden_size, t.num_layers, t.num_heads, t.seq_len, t.vocab_size,

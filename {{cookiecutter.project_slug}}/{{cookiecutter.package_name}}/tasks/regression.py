@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .data import InMemoryDataset, split_for_validation
-from .failures import SetupError
+from .failures import UsageError
 from .settings import setting
 
 if TYPE_CHECKING:  # for the type hints only
@@ -76,13 +76,13 @@ class CsvRows(Dataset):
                 if line.strip():
                     columns = len(line.split(b","))
                     if columns != IN_FEATURES + 1:
-                        raise SetupError(f"--data {path}: line {number} has {columns} columns; "
+                        raise UsageError(f"--data {path}: line {number} has {columns} columns; "
                                          f"this model reads {IN_FEATURES} features and a target "
                                          f"({IN_FEATURES + 1} columns)", everywhere=True)
                     self.offsets.append(offset)
                 offset += len(line)
         if not self.offsets:
-            raise SetupError(f"--data {path}: no rows", everywhere=True)
+            raise UsageError(f"--data {path}: no rows", everywhere=True)
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -154,8 +154,8 @@ def predict(model: nn.Module, inputs: list[str], cfg: Config) -> list[str]:
     try:
         rows = torch.tensor([[float(v) for v in row.split(",")] for row in inputs])
     except ValueError as exc:
-        raise SetupError(f"each input is {IN_FEATURES} comma-separated numbers ({exc})") from None
+        raise UsageError(f"each input is {IN_FEATURES} comma-separated numbers ({exc})") from None
     if rows.shape[1] != IN_FEATURES:
-        raise SetupError(f"each input is {IN_FEATURES} comma-separated numbers, got "
+        raise UsageError(f"each input is {IN_FEATURES} comma-separated numbers, got "
                          f"{rows.shape[1]}")
     return [f"{value:.6g}" for value in model(rows).float().flatten().tolist()]
