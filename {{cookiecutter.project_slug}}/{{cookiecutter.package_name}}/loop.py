@@ -70,9 +70,8 @@ class Trainer:
         self.comm_device = collective_device(runtime.backend, runtime.device)  # our collectives
         # Position: the epoch being trained, the batches of it already done, optimizer steps.
         self.epoch, self.batch_in_epoch, self.step = 0, 0, 0
-        self.checkpointer = Checkpointer(cfg, world, self.unwrapped, optim, self.loop_state,
-                                         runtime.device, self.comm_device, runtime.lifeline,
-                                         runtime.comm_hook)
+        self.checkpointer = Checkpointer(cfg, world, self.unwrapped, optim, runtime.device,
+                                         self.comm_device, runtime.lifeline, runtime.comm_hook)
         throughput = Throughput(task, self.unwrapped, cfg, runtime.device,
                                 runtime.devices_per_process * world.world_size)
         self.metrics = Metrics(cfg, world, runtime, self.comm_device, throughput, optim.lr,
@@ -112,9 +111,9 @@ class Trainer:
             while not self._done():
                 self._run_epoch(self.epoch)
                 if self.batch_in_epoch == 0:  # a whole epoch done
-                    self.checkpointer.maybe_save(self.step, epoch_end=self.epoch)
+                    self.checkpointer.maybe_save(self.step, self.loop_state, epoch_end=self.epoch)
             self.lifeline.phase = "finishing"
-            self.checkpointer.maybe_save(self.step, last=True)
+            self.checkpointer.maybe_save(self.step, self.loop_state, last=True)
             self.checkpointer.finish()
             if self.metrics.stopped_by is not None:
                 return self.metrics.stopped(self.step)
@@ -198,7 +197,7 @@ class Trainer:
             self._evaluate(epoch)
         if self._done():  # --max-steps, a stop agreed at the log step, or an early stop
             return True
-        self.checkpointer.maybe_save(self.step, last_of_epoch=last_of_epoch)
+        self.checkpointer.maybe_save(self.step, self.loop_state, last_of_epoch=last_of_epoch)
         return False
 
     def _after_first_step(self) -> None:

@@ -35,15 +35,17 @@ from .resume import (
 
 
 class Checkpointer:
-    """Saves and resumes one run. `loop_state` gives the loop's part of a checkpoint (its
-    position, last loss, tracker run and model selection) at the moment of a save."""
+    """Saves and resumes one run. `loop_state`, passed to each save, gives the loop's part of a
+    checkpoint (its position, last loss, tracker run and model selection) at that moment. It is
+    not kept: a Checkpointer holding the Trainer would keep it (and its data workers) alive
+    until the interpreter exits, where their shutdown can hang."""
 
     def __init__(self, cfg: Config, world: World, model: nn.Module, optim: Optimization,
-                 loop_state: Callable[[], dict[str, Any]], device: torch.device,
+                 device: torch.device,
                  comm_device: torch.device, lifeline: Lifeline,
                  comm_hook: PowerSGD | None = None) -> None:
         self.cfg, self.world, self.model, self.optim = cfg, world, model, optim  # model: unwrapped
-        self.loop_state, self.device, self.comm_device = loop_state, device, comm_device
+        self.device, self.comm_device = device, comm_device
         self.lifeline, self.comm_hook = lifeline, comm_hook
         self.ckpt_dir = (CheckpointDir(cfg.checkpoint_dir, cfg.keep_last, cfg.timeout_s)
                          if world.is_main else None)
@@ -61,7 +63,8 @@ class Checkpointer:
         self._stalls_ms: list[float] = []  # how long training stood still for each save
 
     # ---------------------------------------------------------------- when
-    def maybe_save(self, step: int, last_of_epoch: bool = False, epoch_end: int | None = None,
+    def maybe_save(self, step: int, loop_state: Callable[[], dict[str, Any]],
+                   last_of_epoch: bool = False, epoch_end: int | None = None,
                    last: bool = False) -> None:
         """Save if one is due. After step `step`: every --save-every-steps, except at an epoch's
         last step (its end comes next); at the end of epoch `epoch_end` (counted from 1): every
@@ -75,10 +78,10 @@ class Checkpointer:
             due = self.keep_next or (self.every_steps > 0 and step % self.every_steps == 0
                                      and not last_of_epoch)
         if due:
-            self.save(step)
+            self.save(step, loop_state())
 
     # ---------------------------------------------------------------- saving
-    def save(self, step: int) -> None:
+    def save(self, step: int, loop_state: dict[str, Any]) -> None:
         """Save step `step` now (every rank)."""
         started = time.perf_counter()
         if self.keep_next:  # this step's evaluation is the best so far
@@ -86,7 +89,7 @@ class Checkpointer:
             if self.ckpt_dir is not None:
                 self.ckpt_dir.keep_step = step  # beside the newest, never pruned
         rng = gather_rng_states(self.device, self.comm_device)
-        meta = {**self.loop_state(), "world_size": self.world.world_size,
+        meta = {**loop_state, "world_size": self.world.world_size,
                 "batch_size": self.cfg.batch_size, "grad_accum": self.cfg.grad_accum,
                 "optim": self.optim.state_dict(), "config": self.cfg.to_dict()}
         if self.dcp is not None:
