@@ -91,7 +91,9 @@ class Trainer:
             self.evaluation.restart_selection(meta.get("selection"))
 
     def loop_state(self) -> dict[str, Any]:
-        """The loop's part of a checkpoint: position, last loss, tracker run, model selection."""
+        """The loop's part of a checkpoint: position, last loss, tracker run, model selection.
+        The pending log step is read first: a NaN loss stops the run before it is saved."""
+        self.metrics.settle()
         samples = self.batch_in_epoch * self.cfg.batch_size * self.world.world_size
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                 "samples_in_epoch": samples, "step": self.step,
@@ -208,6 +210,7 @@ class Trainer:
             set_group_timeout(self.cfg.timeout_s)
 
     def _evaluate(self, epoch: int) -> None:
+        self.metrics.settle()  # the step's metrics line comes before its evaluation's
         if self.evaluation.run(epoch, self.step):  # a new best (--keep-best): saved, kept
             self.checkpointer.keep_next = True
 

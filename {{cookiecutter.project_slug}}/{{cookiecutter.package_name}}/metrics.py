@@ -1,5 +1,5 @@
-"""What a run reports, and when: every --log-every steps the mean loss over ranks (the one host
-sync of the loop besides DDP's own, where the ranks also agree on a stop), and at the end
+"""What a run reports, and when: every --log-every steps the mean loss over ranks (the loop's one
+collective besides DDP's own, where the ranks also agree on a stop), and at the end
 summary.json, --step-times and the closing lines. Rank 0 writes metrics.jsonl, summary.json,
 config.json and the tracker; the other ranks' writers are silent."""
 
@@ -55,6 +55,7 @@ class Metrics:
         self._loss_count = 0
         self._samples = 0  # samples this rank trained on since the last log
         self._samples_total = 0
+        self._pending: LogStats | None = None  # a log step's all_reduce, read one step later
 
     def open(self, resumed: bool) -> None:
         """Rank 0 opens metrics.jsonl, the tracker and config.json; every rank learns whether
@@ -95,14 +96,20 @@ class Metrics:
         self.progress.update()
 
     def step_done(self, step: int, epoch: int, last: bool) -> None:
-        """After optimizer step `step`: the clocks; the log every --log-every steps, and at the
-        last step of an epoch and of the run (`last`)."""
+        """After optimizer step `step`: the clocks; the log every --log-every steps and at the last
+        step of an epoch and of the run (`last`). No rank waits for a log step's all_reduce: all
+        read it one step later, so all stop at the same step; `settle()` reads it before a save
+        (never a checkpoint of a NaN loss), an evaluation and the end."""
         self.clock.tick()
         self.profiler.step_done(step)
+        self.settle()
         if step % self.every == 0 or last:
             self.log(step, epoch)
+            if last:
+                self.settle()
 
     def end_epoch(self) -> None:
+        self.settle()
         self.progress.close()
 
     def record(self, record: dict[str, Any]) -> None:
@@ -110,35 +117,43 @@ class Metrics:
         self.writer.log(record)
 
     def log(self, step: int, epoch: int) -> None:
-        """Average the loss over ranks and steps since the last log and agree on a stop request:
-        the only collective and host sync of the loop besides DDP's own."""
+        """Start averaging the loss over ranks and steps since the last log, and agreeing on a
+        stop request; `settle()` finishes it."""
         if self._loss_count == 0:
             return
-        signum = self.lifeline.stop_signal
-        loss, stop, self.peak_mem_mb, self.peak_reserved_mb = log_step_stats(
-            self._loss_sum, self._loss_count, signum is not None, self.device, self.comm_device)
-        if not math.isfinite(loss):
-            raise RunFailure(f"the loss became {loss} by step {step}; {self.newest_checkpoint()}; "
-                             "lower --lr, use --clip-grad, or check the data", everywhere=True)
-        if stop:  # some rank was asked to stop: every rank stops after this step
-            self.stopped_by = signal.Signals(signum).name if signum else "another rank's signal"
-            self.stop_signal = signum or signal.SIGTERM
         now = time.perf_counter()
         samples_per_s = self._samples * self.world.world_size / max(now - self._last_log_time, 1e-9)
-        self.last_loss = loss
+        record = {"step": step, "epoch": epoch, "loss": None, "lr": self.lr(),
+                  "samples_per_s": round(samples_per_s, 1),
+                  **self.throughput.of(samples_per_s), "time_s": round(now - self._start, 3)}
+        self._pending = LogStats(self._loss_sum, self._loss_count, self.lifeline.stop_signal,
+                                 record, self.device, self.comm_device)
         self._samples_total += self._samples
         self._loss_sum.zero_()
         self._loss_count, self._samples, self._last_log_time = 0, 0, now
-        record = {"step": step, "epoch": epoch, "loss": loss, "lr": self.lr(),
-                  "samples_per_s": round(samples_per_s, 1),
-                  **self.throughput.of(samples_per_s), "time_s": round(now - self._start, 3),
-                  "peak_mem_mb": self.peak_mem_mb}
+
+    def settle(self) -> None:
+        """Finish the pending log step: the NaN check, the stop agreement, its metrics line."""
+        if self._pending is None:
+            return
+        stats, self._pending = self._pending, None
+        loss, stop, self.peak_mem_mb, self.peak_reserved_mb = stats.result()
+        record, signum = stats.record, stats.signum
+        if not math.isfinite(loss):
+            raise RunFailure(f"the loss became {loss} by step {record['step']}; "
+                             f"{self.newest_checkpoint()}; lower --lr, use --clip-grad, or check "
+                             "the data", everywhere=True)
+        if stop:  # some rank was asked to stop: every rank stops at the step that reads it
+            self.stopped_by = signal.Signals(signum).name if signum else "another rank's signal"
+            self.stop_signal = signum or signal.SIGTERM
+        self.last_loss = loss
+        record.update(loss=loss, peak_mem_mb=self.peak_mem_mb)
         if self.device.type == "cuda":
             record["peak_reserved_mb"] = self.peak_reserved_mb
         self.writer.log(record)
         if not self.progress.show(f"loss={loss:.4f}") and self.world.is_main:
-            print(f"epoch {epoch} step {step} loss {loss:.5f} samples/s {samples_per_s:.0f}",
-                  flush=True)
+            print(f"epoch {record['epoch']} step {record['step']} loss {loss:.5f} samples/s "
+                  f"{record['samples_per_s']:.0f}", flush=True)
 
     # ---------------------------------------------------------------- the end
     def stopped(self, step: int) -> dict[str, Any]:
@@ -238,20 +253,38 @@ class MetricsWriter:
             self.tracker = None
 
 
-def log_step_stats(loss_sum: torch.Tensor, count: int, stop: bool, device: torch.device,
-                   comm_device: torch.device) -> tuple[float, bool, list[float], list[float]]:
-    """One all_reduce for a log step: the mean loss over ranks and steps, whether any rank was
-    asked to stop, and every rank's peak memory (each rank fills its own slots: a gather)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    stats = torch.zeros(3 + 2 * world, device=comm_device)
-    stats[0] = loss_sum.float().to(comm_device)
-    stats[1] = count
-    stats[2] = float(stop)
-    stats[3 + rank], stats[3 + world + rank] = peak_memory_mb(device)
-    dist.all_reduce(stats)
-    values = stats.tolist()
-    return (values[0] / values[1], values[2] > 0, [round(v, 1) for v in values[3:3 + world]],
-            [round(v, 1) for v in values[3 + world:]])
+class LogStats:
+    """One all_reduce for a log step, started without waiting: the mean loss over ranks and steps,
+    whether any rank was asked to stop, and every rank's peak memory (each rank fills its own
+    slots: a gather). On a GPU its copy to the host is queued too, so `result()` waits for the
+    copy alone, not for the steps queued after it."""
+
+    def __init__(self, loss_sum: torch.Tensor, count: int, signum: int | None,
+                 record: dict[str, Any], device: torch.device, comm_device: torch.device) -> None:
+        self.signum, self.record = signum, record  # this rank's stop signal; the line so far
+        rank, world = dist.get_rank(), dist.get_world_size()
+        stats = torch.zeros(3 + 2 * world, device=comm_device)
+        stats[0] = loss_sum.float().to(comm_device)
+        stats[1] = count
+        stats[2] = float(signum is not None)
+        stats[3 + rank], stats[3 + world + rank] = peak_memory_mb(device)
+        self.work = dist.all_reduce(stats, async_op=True)
+        self.copied: torch.cuda.Event | None = None
+        if stats.is_cuda:
+            self.work.wait()  # NCCL: the stream waits, the host goes on
+            stats = stats.to("cpu", non_blocking=True)  # into pinned memory
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        self.stats = stats
+
+    def result(self) -> tuple[float, bool, list[float], list[float]]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        else:
+            self.work.wait()
+        values, world = self.stats.tolist(), (len(self.stats) - 3) // 2
+        return (values[0] / values[1], values[2] > 0, [round(v, 1) for v in values[3:3 + world]],
+                [round(v, 1) for v in values[3 + world:]])
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, float]:
