@@ -261,6 +261,9 @@ def test_evaluation_every_n_steps_the_best_checkpoint_an_early_stop_and_eval_onl
     ok(torchrun([*EVAL, "--keep-best", "val_loss:max", "--keep-last", "1"], workdir))
     evals = read_metrics(workdir / "runs/latest", "val_loss")
     assert [m["step"] for m in evals] == list(range(4, 65, 4))
+    # A log step's line is written one step later, unless an evaluation comes first: then first.
+    lines = [(m["step"], "val_loss" in m) for m in read_metrics(workdir / "runs/latest", "step")]
+    assert lines == sorted(lines), "each step's training line, then its evaluation's"
     done = summary(workdir / "runs/latest")
     assert done["best"] == {"metric": "val_loss", "value": evals[0]["val_loss"], "step": 4}
     assert sorted(p.name for p in (workdir / "checkpoints").glob("ckpt_step*")) == [
