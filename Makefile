@@ -1,11 +1,14 @@
-# make demo: bake a project with the default answers into .demo/ and train it with 2 processes.
+# make demo: bake a project with the default answers into .demo/ and train it as its README's
+# quickstart does (one process per GPU, or 2 CPU processes).
 # make test: the template's whole test suite (what CI runs).
 # make bench: the benchmark (not part of the tests).
+# make gpu-check: on a GPU machine, the default project's quickstart, tests and GPU benchmark in
+# about 8 minutes (bench/gpu_check.py; results in bench/results/gpu-check/).
 PYTHON ?= python3
 # Installed only when `import torch` fails. Override for your platform, e.g. TORCH="torch==2.6.0".
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint bench gpu-check
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH)"
@@ -14,8 +17,7 @@ setup:
 demo: setup
 	rm -rf .demo
 	$(PYTHON) -m cookiecutter --no-input --output-dir .demo .
-	cd .demo/ddp-project && OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc-per-node=2 \
-		train.py --epochs 3 --no-progress
+	cd .demo/ddp-project && PYTHON=$(PYTHON) scripts/train_local.sh --epochs 3 --no-progress
 	@echo "metrics: $(CURDIR)/.demo/ddp-project/runs/latest/metrics.jsonl"
 
 lint:
@@ -27,3 +29,7 @@ test: setup lint
 # The generated Trainer against a raw DDP loop, DataLoader, the tutorial style and Lightning (see README).
 bench: setup
 	$(PYTHON) bench/run.py
+
+# Needs torch with CUDA, pytest and cookiecutter (or WHEELS=DIR, a folder of its wheels): no network.
+gpu-check:
+	$(PYTHON) bench/gpu_check.py $(if $(WHEELS),--wheels $(WHEELS))

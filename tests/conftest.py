@@ -81,8 +81,8 @@ def expected_files(package: str, answers: dict) -> set[str]:
     files |= {f"{package}/checkpoint/{name}.py" for name in (
         "__init__", "__main__", "checkpointer", "export", "files", "folder", "resume", "sharded", "storage")}
     files |= {f"{package}/runtime/{name}.py" for name in (
-        "__init__", "backstop", "comm_hooks", "environments", "launch", "lifeline", "nccl", "network", "rendezvous",
-        "trackers", "workarounds", "workers")}
+        "__init__", "backstop", "comm_hooks", "environments", "launch", "lifeline", "nccl", "network", "prefetch",
+        "rendezvous", "trackers", "workarounds", "workers")}
     if answers.get("slurm", True):
         files |= {"scripts/slurm/torchrun.sbatch", "scripts/slurm/srun.sbatch",
                   "tests/test_slurm.py"}

@@ -104,7 +104,7 @@ def quickstart_done(default_project, torch_venv):
 
 
 def test_readme_quickstart_trains_as_written(default_project, torch_venv, quickstart_done):
-    assert quickstart_done[1] == "torchrun --standalone --nproc-per-node=2 train.py --epochs 3"
+    assert quickstart_done[1] == "scripts/train_local.sh --epochs 3"  # 2 CPU processes here
     check_ok(torch_venv.run([torch_venv.python, "-c", "import ddp_project.loop"],
                             default_project.parent))  # installed, not only importable from cwd
     summary = (default_project / "runs/latest/summary.json").read_text()

@@ -6,17 +6,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 if [[ -z "${NPROC:-}" ]]; then
-{%- if cookiecutter.model_layout == "model_parallel_2" %}
-  # model_parallel_2 needs two GPUs per process.
-  NPROC=$("$PYTHON" -c "import torch; n = torch.cuda.device_count(); print(max(1, n // 2) if n else 2)")
-{%- else %}
-  NPROC=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 2)")
-{%- endif %}
+  # One process per GPU (per two GPUs with model_parallel_2), or 2 CPU processes: as the doctor says.
+  NPROC=$("$PYTHON" -c "import torch
+from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT
+from {{ cookiecutter.package_name }}.doctor import processes_per_node
+print(processes_per_node(torch.cuda.device_count(), DEFAULT_MODEL_LAYOUT))")
 fi
 {% if cookiecutter.launcher == "torchrun" -%}
+# torchrun (`python -m torch.distributed.run` is the same program, of this Python).
 # --standalone: a private rendezvous on a free port, so several jobs can share the machine.
 # --max-restarts: if a worker dies, torchrun restarts the group, which resumes from the newest checkpoint.
-exec torchrun --standalone --nproc-per-node="$NPROC" --max-restarts="${MAX_RESTARTS:-3}" train.py "$@"
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$NPROC" --max-restarts="${MAX_RESTARTS:-3}" train.py "$@"
 {%- elif cookiecutter.launcher == "spawn" -%}
 # train.py starts the processes itself with mp.spawn and picks a free port.
 exec "$PYTHON" train.py --nprocs "$NPROC" "$@"

@@ -49,19 +49,23 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "SLURM_LOCALID", "KUBERNETES_SERVICE_HOST")
 
 
-def child_env(**extra: str) -> dict[str, str]:
+def child_env(gpus: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a process a test starts: no launcher's variables, one thread, and no GPU
+    unless `gpus`, so the gloo tests run as on a CPU machine wherever they run."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra)
     return env
 
 
-def run_cmd(cmd: list[str], cwd: Path, timeout: float = 240,
+def run_cmd(cmd: list[str], cwd: Path, timeout: float = 240, gpus: bool = False,
             **env: str) -> subprocess.CompletedProcess:
     """Run a command to completion; a hang fails the test instead of blocking the suite."""
-    return subprocess.run(cmd, cwd=cwd, env=child_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=child_env(gpus, **env), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def torchrun_cmd(nproc: int = 2, *extra: str) -> list[str]:
@@ -74,9 +78,9 @@ def torchrun(args: list[str], cwd: Path, nproc: int = 2, timeout: float = 240,
     return run_cmd([*torchrun_cmd(nproc), TRAIN, "--no-progress", *args], cwd, timeout, **env)
 
 
-def python_train(args: list[str], cwd: Path, timeout: float = 240,
+def python_train(args: list[str], cwd: Path, timeout: float = 240, gpus: bool = False,
                  **env: str) -> subprocess.CompletedProcess:
-    return run_cmd([sys.executable, TRAIN, "--no-progress", *args], cwd, timeout, **env)
+    return run_cmd([sys.executable, TRAIN, "--no-progress", *args], cwd, timeout, gpus, **env)
 
 
 def write_store_file(path: Path, **keys: str) -> Path:

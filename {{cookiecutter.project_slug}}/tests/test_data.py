@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 
 import pytest
@@ -10,7 +11,6 @@ from torch.utils.data import Dataset
 
 from {{ cookiecutter.package_name }}.data import (
     BatchFetcher,
-    DevicePrefetcher,
     InMemoryDataset,
     InProcessLoader,
     ShardedBatchSampler,
@@ -20,6 +20,7 @@ from {{ cookiecutter.package_name }}.data import (
     validation_batches,
 )
 from {{ cookiecutter.package_name }}.failures import LostContact, RunFailure, UsageError
+from {{ cookiecutter.package_name }}.runtime.prefetch import DevicePrefetcher
 
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -162,9 +163,120 @@ def test_move_to_handles_nested_batches():
 
 def test_on_the_cpu_nothing_is_prefetched_or_moved():
     data = InMemoryDataset(torch.arange(40.0)[:, None])
-    assert place_on_device(data, CPU, 0, "auto") is data
+    assert place_on_device([data, None], CPU, 0, "auto") == [data, None]
     loader = build_loader(data, ShardedBatchSampler(40, 0, 1, 8, seed=0), None, 0, CPU)
     assert type(loader) is InProcessLoader
+
+
+# The GPU-only logic, run on a CPU: the placement decision on the meta device (any device but the
+# CPU is placed alike), the prefetcher and the log step's copy with CUDA's streams and events faked.
+META = torch.device("meta")
+
+
+def test_in_memory_data_that_fits_in_a_quarter_of_free_memory_goes_to_the_device():
+    train = InMemoryDataset(torch.zeros(100, 4), torch.zeros(100, dtype=torch.long))  # 2,400 B
+    val, files = InMemoryDataset(torch.zeros(25, 4)), PerSample(10)  # 400 B; not in memory
+    placed = place_on_device([train, val, files, None], META, 0, "auto", free_bytes=4 * 2800)
+    assert [d.tensors[0].device for d in placed[:2]] == [META, META]
+    assert placed[2] is files and placed[3] is None
+    assert place_on_device([train, val], META, 0, "auto", free_bytes=4 * 2800 - 4) == [train, val]
+    assert place_on_device([train], META, 2, "auto", free_bytes=10**9) == [train]  # workers
+    assert place_on_device([train], META, 0, "never", free_bytes=10**9) == [train]
+
+
+def test_data_on_the_device_is_cut_there_from_indices_copied_once_an_epoch():
+    data = place_on_device([InMemoryDataset(torch.zeros(40, 2))], META, 0, "auto",
+                           free_bytes=10**9)[0]
+    sampler = ShardedBatchSampler(40, 1, 2, 8, seed=0)
+    loader = build_loader(data, sampler, None, 0, META)
+    assert type(loader) is InProcessLoader  # no prefetcher: there is nothing to copy
+    assert all(indices.device == META for _, indices in sampler)
+    assert [tuple(batch.shape) for batch in loader] == [(8, 2), (8, 2), (4, 2)]
+    assert all(batch.device == META for batch in loader)
+
+
+class FakeCuda:
+    """CUDA's streams, events and pinned memory, recorded in `log` (tensors stay on the CPU)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.log: list[tuple] = []
+        log, copies = self.log, []
+
+        class Stream:
+            def __init__(self, device=None, name: str = "copy") -> None:
+                self.name = name
+
+            def record_event(self):  # the copy stream's events, numbered
+                copies.append(None)
+                log.append(("copied", len(copies) - 1))
+                return Event(len(copies) - 1)
+
+            def wait_event(self, event) -> None:
+                log.append(("wait", self.name, event.seq))
+
+        class Event:
+            def __init__(self, seq: int = -1) -> None:
+                self.seq = seq
+
+            def record(self) -> None:
+                log.append(("event recorded",))
+
+            def synchronize(self) -> None:
+                log.append(("host waits for the event",))
+
+        def on(stream):
+            log.append(("on", stream.name))
+            return contextlib.nullcontext()
+
+        step = Stream(name="step")
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: step)
+        monkeypatch.setattr(torch.cuda, "stream", on)
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: False)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: log.append(("pin",)) or t.clone())
+        monkeypatch.setattr(torch.Tensor, "record_stream",
+                            lambda t, s: log.append(("uses", s.name, t.tolist())))
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_the_prefetcher_copies_on_its_stream_and_the_step_waits_for_each_copy(monkeypatch,
+                                                                                ahead):
+    log = FakeCuda(monkeypatch).log
+    prefetcher = DevicePrefetcher([torch.tensor([float(i)]) for i in range(3)], CPU, ahead=ahead)
+    for batch in prefetcher:
+        log.append(("step", int(batch.item())))
+    for i in range(3):
+        copy, step = log.index(("copied", i)), log.index(("step", i))
+        assert log[copy - 2:copy] == [("pin",), ("on", "copy")]  # pinned, copied on its stream
+        # the step's stream waits for that copy; the allocator learns the step uses the batch
+        assert copy < step and log[step - 2:step] == [("wait", "step", i), ("uses", "step", [i])]
+        if i < 2:  # ahead (DataLoader workers): the next copy starts before this step
+            assert (log.index(("copied", i + 1)) < step) == ahead
+
+
+@pytest.fixture
+def one_process_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_the_log_step_reads_its_all_reduce_later_through_a_queued_copy(monkeypatch, queued,
+                                                                       one_process_group):
+    from {{ cookiecutter.package_name }}.metrics import LogStats
+
+    log = FakeCuda(monkeypatch).log
+    stats = LogStats(torch.tensor(6.0), 3, None, {"step": 10}, CPU, CPU, queued=queued)
+    # queued (NCCL on a GPU): the copy to the host is queued behind the all_reduce with an event,
+    # and reading it waits for that event alone
+    assert log == ([("event recorded",)] if queued else [])
+    loss, stop, peak, _ = stats.result()
+    assert log == ([("event recorded",), ("host waits for the event",)] if queued else [])
+    assert (loss, stop, len(peak)) == (2.0, False, 1) and peak[0] > 0
 
 
 @needs_cuda
@@ -200,9 +312,9 @@ def test_prefetched_in_memory_batches_are_the_sampled_ones():
 def test_an_in_memory_data_set_that_fits_lives_on_the_gpu():
     gpu = torch.device("cuda", 0)
     data = InMemoryDataset(torch.arange(40.0)[:, None], torch.arange(40))
-    placed = place_on_device(data, gpu, 0, "auto")
+    placed = place_on_device([data], gpu, 0, "auto")[0]
     assert all(t.is_cuda for t in placed.tensors)
     x, y = placed.__getitems__(torch.tensor([3, 1]))
     assert x.is_cuda and y.tolist() == [3, 1]
-    assert place_on_device(data, gpu, 2, "auto") is data  # workers read host memory
-    assert place_on_device(data, gpu, 0, "never") is data
+    assert place_on_device([data], gpu, 2, "auto") == [data]  # workers read host memory
+    assert place_on_device([data], gpu, 0, "never") == [data]

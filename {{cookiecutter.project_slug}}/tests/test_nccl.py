@@ -42,7 +42,7 @@ def test_nccl_all_reduce(workdir):
     script = workdir / "all_reduce.py"
     script.write_text(ALL_REDUCE)
     n = torch.cuda.device_count()
-    result = ok(run_cmd([*torchrun_cmd(n), str(script)], workdir))
+    result = ok(run_cmd([*torchrun_cmd(n), str(script)], workdir, gpus=True))
     assert result.stdout.count("all_reduce ok") == n
 
 
@@ -52,7 +52,7 @@ def test_nccl_training(workdir, precision, layout):
     n = torch.cuda.device_count()
     ok(run_cmd([*torchrun_cmd(n), TRAIN, "--no-progress", "--backend", "nccl", "--epochs", "2",
                 "--dataset-size", "1024", "--precision", precision, "--model-layout", layout,
-                "--step-times", "steps.json"], workdir))
+                "--step-times", "steps.json"], workdir, gpus=True))
     done = summary(workdir / "runs/latest")
     assert done["backend"] == "nccl" and done["world_size"] == n and done["final_loss"] > 0
     assert done["peak_mem_mb"][0] > 0
@@ -63,7 +63,7 @@ def test_nccl_training(workdir, precision, layout):
 
 def test_nccl_model_parallel_on_one_gpu(workdir):
     ok(python_train(["--backend", "nccl", "--model-layout", "model_parallel_2", "--stage-devices",
-                     "cuda:0,cuda:0", "--epochs", "1", "--dataset-size", "512"], workdir))
+                     "cuda:0,cuda:0", "--epochs", "1", "--dataset-size", "512"], workdir, gpus=True))
     done = summary(workdir / "runs/latest")
     assert done["backend"] == "nccl" and done["final_loss"] is not None
 
@@ -71,20 +71,21 @@ def test_nccl_model_parallel_on_one_gpu(workdir):
 @pytest.mark.compile
 def test_nccl_compile(workdir):
     ok(python_train(["--backend", "nccl", "--compile", "--epochs", "1", "--dataset-size", "512"],
-                    workdir, timeout=600))
+                    workdir, timeout=600, gpus=True))
     assert summary(workdir / "runs/latest")["steps"] > 0
 
 
 def test_nccl_resume_is_exact_on_the_gpu(workdir):
     args = ["--backend", "nccl", "--epochs", "2", "--dataset-size", "512", "--deterministic"]
-    ok(python_train([*args, "--checkpoint-dir", "a"], workdir))
-    ok(python_train([*args, "--checkpoint-dir", "b", "--max-steps", "11"], workdir))
-    ok(python_train([*args, "--checkpoint-dir", "b"], workdir))
+    ok(python_train([*args, "--checkpoint-dir", "a"], workdir, gpus=True))
+    ok(python_train([*args, "--checkpoint-dir", "b", "--max-steps", "11"], workdir, gpus=True))
+    ok(python_train([*args, "--checkpoint-dir", "b"], workdir, gpus=True))
     assert_same_model(final_model(workdir / "a"), final_model(workdir / "b"))
 
 
 def test_data_on_the_gpu_trains_to_the_same_weights_as_copied_batches(workdir):
     args = ["--backend", "nccl", "--epochs", "2", "--dataset-size", "512", "--deterministic"]
-    ok(python_train([*args, "--checkpoint-dir", "a"], workdir))
-    ok(python_train([*args, "--checkpoint-dir", "b", "--data-on-device", "never"], workdir))
+    ok(python_train([*args, "--checkpoint-dir", "a"], workdir, gpus=True))
+    ok(python_train([*args, "--checkpoint-dir", "b", "--data-on-device", "never"], workdir,
+                    gpus=True))
     assert_same_model(final_model(workdir / "a"), final_model(workdir / "b"))

@@ -8,8 +8,8 @@
 - `build_loader`: the fetcher in this process or in worker processes, each batch's random
   numbers seeded from (seed, rank, epoch, batch), so random augmentation does not depend on
   which worker made the batch or on whether the run was resumed.
-- On a GPU, `DevicePrefetcher` copies batches ahead on a stream of their own, and
-  `place_on_device` keeps in-memory data that fits on the device (no copy at all).
+- On a GPU, `place_on_device` keeps in-memory data that fits on the device (batches are cut
+  there: no copy at all), and other batches are copied ahead (runtime/prefetch.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
 from .failures import KINDS, ProjectError, RunFailure, kind_name
+from .runtime.prefetch import DevicePrefetcher, apply_to_tensors
 from .runtime.workers import worker_loader
 
 
@@ -47,9 +48,10 @@ class InMemoryDataset(Dataset):
         return self.__getitems__(index)
 
     def __getitems__(self, indices: torch.Tensor) -> Any:
-        if self.tensors[0].is_cuda:  # pinned, the indices' copy does not wait for the GPU
-            indices = torch.as_tensor(indices).pin_memory().to(self.tensors[0].device,
-                                                               non_blocking=True)
+        device = self.tensors[0].device
+        if device.type != "cpu" and not (torch.is_tensor(indices) and indices.device == device):
+            # pinned, the indices' copy does not wait for the GPU
+            indices = torch.as_tensor(indices).pin_memory().to(device, non_blocking=True)
         if len(self.tensors) == 1:
             return self.tensors[0][indices]
         return tuple(t[indices] for t in self.tensors)
@@ -81,6 +83,13 @@ class ShardedBatchSampler:
         self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
         self.shard_size = math.ceil(size / world_size)
         self.epoch, self.start_batch = 0, 0
+        self.device = torch.device("cpu")  # where the indices go: `to`
+
+    def to(self, device: torch.device) -> ShardedBatchSampler:
+        """Yield indices on `device`: the epoch's shard is copied there once, and each batch's
+        indices are a slice of it (for data that lives there: no copy per step)."""
+        self.device = device
+        return self
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.epoch, self.start_batch = epoch, start_batch
@@ -105,7 +114,7 @@ class ShardedBatchSampler:
         if padded > self.size:  # repeat samples from the start, as DistributedSampler does
             order = torch.cat([order, order.repeat(math.ceil(padded / self.size))[
                 :padded - self.size]])
-        shard = order[self.rank:padded:self.world_size]
+        shard = order[self.rank:padded:self.world_size].to(self.device)
         for batch in range(self.start_batch, self.batches_per_epoch()):
             start = batch * self.batch_size
             yield batch_seed(self.seed, self.rank, self.epoch, batch), shard[
@@ -207,88 +216,41 @@ def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_w
                  device: torch.device) -> InProcessLoader | DataLoader | DevicePrefetcher:
     """A loader over `batches` (a ShardedBatchSampler or FixedBatches) of `dataset`: batches made
     in this process, or in worker processes (runtime/workers.py; the data set and `collate` must
-    then be picklable); on a GPU it prefetches to the device."""
+    then be picklable); on a GPU it prefetches to the device, unless the data lives there."""
     fetcher = BatchFetcher(dataset, collate)
     on_gpu = device.type == "cuda"
     if num_workers == 0:
+        if lives_on(dataset, device):  # cut on the device: nothing to copy, nothing to prefetch
+            return InProcessLoader(fetcher, batches.to(device) if hasattr(batches, "to")
+                                   else batches)
         loader = InProcessLoader(fetcher, batches)
         return DevicePrefetcher(loader, device, ahead=False) if on_gpu else loader
     loader = worker_loader(fetcher, batches, num_workers, pin_memory=on_gpu)
     return DevicePrefetcher(loader, device, ahead=True) if on_gpu else loader
 
 
+def lives_on(dataset: Dataset | None, device: torch.device) -> bool:
+    """Whether `dataset` is in-memory tensors already on `device` (not the CPU)."""
+    return (type(dataset) is InMemoryDataset and device.type != "cpu"
+            and all(t.device == device for t in dataset.tensors))
+
+
 def place_on_device(datasets: list[Dataset | None], device: torch.device, num_workers: int,
-                    policy: str) -> list[Dataset | None]:
+                    policy: str, free_bytes: int | None = None) -> list[Dataset | None]:
     """--data-on-device auto: in-memory data sets (InMemoryDataset) move to the GPU when together
-    they take at most a quarter of its free memory (the model is not built yet) and batches are
-    made in this process; batches are then cut on the GPU and nothing is copied per step. Any
-    other data set stays where it is."""
+    they take at most a quarter of its free memory (`free_bytes`: the device's now; the model is
+    not built yet) and batches are made in this process; batches are then cut on the GPU and
+    nothing is copied per step. Any other data set stays where it is."""
     movable = [d for d in datasets if type(d) is InMemoryDataset]
-    if policy == "never" or device.type != "cuda" or num_workers > 0 or not movable:
+    if policy == "never" or device.type == "cpu" or num_workers > 0 or not movable:
         return datasets
+    if free_bytes is None:
+        free_bytes = torch.cuda.mem_get_info(device)[0]
     size = sum(t.numel() * t.element_size() for d in movable for t in d.tensors)
-    if size > torch.cuda.mem_get_info(device)[0] // 4:
+    if size > free_bytes // 4:
         return datasets
     return [InMemoryDataset(*(t.to(device) for t in d.tensors))
             if type(d) is InMemoryDataset else d for d in datasets]
-
-
-class DevicePrefetcher:
-    """A loader's batches on a GPU, each copied there on a stream of its own.
-
-    The copy is from pinned memory (DataLoader's pin thread pins with `--num-workers`; batches
-    made in this process are pinned here) and does not block the host, which runs ahead of the
-    GPU: it overlaps the kernels still queued for the step before. The step's stream waits for
-    the copy's event before it uses the batch, and `record_stream` tells the allocator the step
-    uses that memory, so it is not handed out again while the step runs. DataLoader workers
-    make batches ahead anyway (each seeded by its batch), so their next batch's copy starts
-    before this one is handed out; batches made in this process are not made ahead: their
-    random draws (augmentation) come from the training process's random state, which a
-    checkpoint saves, and must happen in step order for an exact resume."""
-
-    def __init__(self, loader: Any, device: torch.device, ahead: bool) -> None:
-        self.loader, self.device, self.ahead = loader, device, ahead
-        self.stream = torch.cuda.Stream(device)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def _start_copy(self, batch: Any) -> tuple[Any, torch.cuda.Event]:
-        batch = _apply(batch, lambda t: t if t.is_cuda or t.is_pinned() else t.pin_memory())
-        with torch.cuda.stream(self.stream):
-            batch = _apply(batch, lambda t: t.to(self.device, non_blocking=True))
-            return batch, self.stream.record_event()
-
-    def _ready(self, batch: Any, copied: torch.cuda.Event) -> Any:
-        step = torch.cuda.current_stream(self.device)
-        step.wait_event(copied)
-        _apply(batch, lambda t: t.record_stream(step) if t.is_cuda else t)
-        return batch
-
-    def __iter__(self) -> Iterator[Any]:
-        if not self.ahead:
-            for batch in self.loader:
-                yield self._ready(*self._start_copy(batch))
-            return
-        upcoming = None
-        for batch in self.loader:
-            started = self._start_copy(batch)  # before the batch before it is handed out
-            if upcoming is not None:
-                yield self._ready(*upcoming)
-            upcoming = started
-        if upcoming is not None:
-            yield self._ready(*upcoming)
-
-
-def _apply(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """`fn` on every tensor of a batch: a tensor, or tuples, lists and dicts of them."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_apply(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _apply(v, fn) for k, v in obj.items()}
-    return obj
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
@@ -297,4 +259,4 @@ def move_to(batch: Any, device: torch.device) -> Any:
         return tuple(t.to(device, non_blocking=True) for t in batch)  # the common case, fast
     if isinstance(batch, WorkerError):
         raise KINDS.get(batch.kind, RunFailure)(batch.message)
-    return _apply(batch, lambda t: t.to(device, non_blocking=True))
+    return apply_to_tensors(batch, lambda t: t.to(device, non_blocking=True))

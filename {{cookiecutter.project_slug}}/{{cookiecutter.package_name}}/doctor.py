@@ -66,6 +66,14 @@ def gpus() -> list[str]:
     return lines
 
 
+def processes_per_node(cuda_count: int, layout: str) -> int:
+    """The processes that use this machine (scripts/train_local.sh starts them; the doctor says
+    so): one per GPU, or per two GPUs with model_parallel_2, and 2 CPU processes without a GPU."""
+    if cuda_count == 0:
+        return 2
+    return max(1, cuda_count // 2) if layout == "model_parallel_2" else cuda_count
+
+
 def traps(world: World, cuda_count: int, backend: str) -> list[str]:
     """Known ways a job breaks, found in this process's surroundings."""
     found = []
@@ -162,8 +170,12 @@ def check(argv: list[str] | None = None) -> int:
         return plan_run(sys.argv[1:] if argv is None else argv)
     world, say = describe(cfg)
     setup = resolve(cfg, world)
+    cuda_count = torch.cuda.device_count()
     say(f"backend {setup.backend}, devices {', '.join(map(str, setup.devices))}, visible GPUs "
-        f"{torch.cuda.device_count()}, rendezvous {setup.rdzv}")
+        f"{cuda_count}, rendezvous {setup.rdzv}")
+    say(f"this machine takes {processes_per_node(cuda_count, cfg.model_layout)} process(es) "
+        f"({'one per GPU' if cuda_count else 'no GPU: CPU processes over gloo'}): "
+        "scripts/train_local.sh starts that many")
     for line in network(world, setup.network):
         say(line)
     speed = meet(cfg, world, setup)

@@ -127,7 +127,8 @@ class Metrics:
                   "samples_per_s": round(samples_per_s, 1),
                   **self.throughput.of(samples_per_s), "time_s": round(now - self._start, 3)}
         self._pending = LogStats(self._loss_sum, self._loss_count, self.lifeline.stop_signal,
-                                 record, self.device, self.comm_device)
+                                 record, self.device, self.comm_device,
+                                 queued=self.comm_device.type == "cuda")
         self._samples_total += self._samples
         self._loss_sum.zero_()
         self._loss_count, self._samples, self._last_log_time = 0, 0, now
@@ -256,11 +257,12 @@ class MetricsWriter:
 class LogStats:
     """One all_reduce for a log step, started without waiting: the mean loss over ranks and steps,
     whether any rank was asked to stop, and every rank's peak memory (each rank fills its own
-    slots: a gather). On a GPU its copy to the host is queued too, so `result()` waits for the
-    copy alone, not for the steps queued after it."""
+    slots: a gather). On a GPU (`queued`: NCCL on the stream) its copy to the host is queued too,
+    so `result()` waits for the copy alone, not for the steps queued after it."""
 
     def __init__(self, loss_sum: torch.Tensor, count: int, signum: int | None,
-                 record: dict[str, Any], device: torch.device, comm_device: torch.device) -> None:
+                 record: dict[str, Any], device: torch.device, comm_device: torch.device,
+                 queued: bool) -> None:
         self.signum, self.record = signum, record  # this rank's stop signal; the line so far
         rank, world = dist.get_rank(), dist.get_world_size()
         stats = torch.zeros(3 + 2 * world, device=comm_device)
@@ -270,7 +272,7 @@ class LogStats:
         stats[3 + rank], stats[3 + world + rank] = peak_memory_mb(device)
         self.work = dist.all_reduce(stats, async_op=True)
         self.copied: torch.cuda.Event | None = None
-        if stats.is_cuda:
+        if queued:
             self.work.wait()  # NCCL: the stream waits, the host goes on
             stats = stats.to("cpu", non_blocking=True)  # into pinned memory
             self.copied = torch.cuda.Event()

@@ -1,0 +1,69 @@
+"""Batches copied to a GPU ahead of the step that uses them (data.py's loaders on a GPU), and
+`apply_to_tensors`, which maps a function over the tensors of a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+class DevicePrefetcher:
+    """A loader's batches on a GPU, each copied there on a stream of its own.
+
+    The copy is from pinned memory (DataLoader's pin thread pins with `--num-workers`; batches
+    made in this process are pinned here) and does not block the host, which runs ahead of the
+    GPU: it overlaps the kernels still queued for the step before. The step's stream waits for
+    the copy's event before it uses the batch, and `record_stream` tells the allocator the step
+    uses that memory, so it is not handed out again while the step runs. DataLoader workers
+    make batches ahead anyway (each seeded by its batch), so their next batch's copy starts
+    before this one is handed out; batches made in this process are not made ahead: their
+    random draws (augmentation) come from the training process's random state, which a
+    checkpoint saves, and must happen in step order for an exact resume."""
+
+    def __init__(self, loader: Any, device: torch.device, ahead: bool) -> None:
+        self.loader, self.device, self.ahead = loader, device, ahead
+        self.stream = torch.cuda.Stream(device)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def _start_copy(self, batch: Any) -> tuple[Any, torch.cuda.Event]:
+        pinned = lambda t: t if t.is_cuda or t.is_pinned() else t.pin_memory()  # noqa: E731
+        batch = apply_to_tensors(batch, pinned)
+        with torch.cuda.stream(self.stream):
+            batch = apply_to_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+            return batch, self.stream.record_event()
+
+    def _ready(self, batch: Any, copied: torch.cuda.Event) -> Any:
+        step = torch.cuda.current_stream(self.device)
+        step.wait_event(copied)
+        apply_to_tensors(batch, lambda t: t.record_stream(step))  # every tensor was copied there
+        return batch
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self.ahead:
+            for batch in self.loader:
+                yield self._ready(*self._start_copy(batch))
+            return
+        upcoming = None
+        for batch in self.loader:
+            started = self._start_copy(batch)  # before the batch before it is handed out
+            if upcoming is not None:
+                yield self._ready(*upcoming)
+            upcoming = started
+        if upcoming is not None:
+            yield self._ready(*upcoming)
+
+
+def apply_to_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`fn` on every tensor of a batch: a tensor, or tuples, lists and dicts of them."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(apply_to_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: apply_to_tensors(v, fn) for k, v in obj.items()}
+    return obj
