@@ -63,7 +63,8 @@ def test_nccl_training(workdir, precision, layout):
 
 def test_nccl_model_parallel_on_one_gpu(workdir):
     ok(python_train(["--backend", "nccl", "--model-layout", "model_parallel_2", "--stage-devices",
-                     "cuda:0,cuda:0", "--epochs", "1", "--dataset-size", "512"], workdir, gpus=True))
+                     "cuda:0,cuda:0", "--epochs", "1", "--dataset-size", "512"], workdir,
+                    gpus=True))
     done = summary(workdir / "runs/latest")
     assert done["backend"] == "nccl" and done["final_loss"] is not None
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -23,7 +22,7 @@ from .config import Config
 from .failures import RunFailure, UsageError, agree
 from .meters import Progress, StepClock, StepProfiler, Throughput
 from .runtime.environments import World
-from .runtime.trackers import Tracker, open_tracker
+from .runtime.trackers import MetricsWriter
 
 
 class Metrics:
@@ -45,16 +44,15 @@ class Metrics:
                                      runtime.device)
         self.last_loss: float | None = None
         self.tracker_run_id: str | None = None
-        self.stopped_by: str | None = None
+        self.stopped_by: str | None = None  # the signal's name, once every rank agreed to stop
         self.stop_signal = signal.SIGTERM  # the exit code of a stopped run is 128 + this
         self.first_step_s: float | None = None
-        self.peak_mem_mb: list[float] = []
+        self.peak_mem_mb: list[float] = []  # every rank's, from the last log step
         self.peak_reserved_mb: list[float] = []
         self.summary_path: Path | None = None
         self._loss_sum = torch.zeros((), device=runtime.device)
-        self._loss_count = 0
-        self._samples = 0  # samples this rank trained on since the last log
-        self._samples_total = 0
+        # batches and samples this rank trained on since the last log; samples in all
+        self._loss_count, self._samples, self._samples_total = 0, 0, 0
         self._pending: LogStats | None = None  # a log step's all_reduce, read one step later
 
     def open(self, resumed: bool) -> None:
@@ -205,53 +203,6 @@ class Metrics:
               f"after start\ndone: {summary['steps']} steps, final loss {loss}\n"
               f"checkpoints: {storage.shown(self.cfg.checkpoint_dir)}\n"
               f"summary: {self.summary_path.resolve()}", flush=True)
-
-
-class MetricsWriter:
-    def __init__(self, output_dir: str | Path, enabled: bool, tracker: str = "none",
-                 append: bool = False, config: dict[str, Any] | None = None,
-                 tracker_run_id: str | None = None) -> None:
-        self.output_dir = Path(output_dir)
-        self.enabled = enabled
-        self._file = None
-        self.tracker: Tracker | None = None
-        if not enabled:
-            return
-        try:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            # A resumed run continues the same curve; a fresh run starts a new one.
-            self._file = open(self.output_dir / "metrics.jsonl", "a" if append else "w",
-                              encoding="utf-8")
-        except OSError as exc:
-            raise UsageError(f"--output-dir {output_dir}: cannot write there "
-                             f"({exc.strerror or exc}); choose a writable folder") from None
-        self.tracker = open_tracker(tracker, self.output_dir, config or {}, tracker_run_id)
-
-    def log(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self.tracker is not None:
-            self.tracker.log(record)
-
-    def write_json(self, name: str, data: dict[str, Any]) -> Path | None:
-        """`name` in the output folder, replaced atomically."""
-        if not self.enabled:
-            return None
-        path = self.output_dir / name
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-        return path
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self.tracker is not None:
-            self.tracker.close()
-            self.tracker = None
 
 
 class LogStats:

@@ -1,4 +1,5 @@
-"""Experiment trackers beside metrics.jsonl (rank 0 only): TensorBoard, Weights & Biases, MLflow.
+"""Where metrics go (rank 0 only): `MetricsWriter` writes metrics.jsonl, summary.json and
+config.json, and logs to an experiment tracker: TensorBoard, Weights & Biases or MLflow.
 
 Each is a small class with `log(record)` and `close()`, and `run_id` where the tracker has runs:
 it is saved in every checkpoint, so a resumed run continues the same tracker run. The package
@@ -18,6 +19,53 @@ from ..failures import UsageError
 
 NOT_SCALARS = ("step", "epoch")
 PROJECT = "{{ cookiecutter.project_slug }}"  # the W&B project and MLflow experiment by default
+
+
+class MetricsWriter:
+    def __init__(self, output_dir: str | Path, enabled: bool, tracker: str = "none",
+                 append: bool = False, config: dict[str, Any] | None = None,
+                 tracker_run_id: str | None = None) -> None:
+        self.output_dir = Path(output_dir)
+        self.enabled = enabled
+        self._file = None
+        self.tracker: Tracker | None = None
+        if not enabled:
+            return
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            # A resumed run continues the same curve; a fresh run starts a new one.
+            self._file = open(self.output_dir / "metrics.jsonl", "a" if append else "w",
+                              encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"--output-dir {output_dir}: cannot write there "
+                             f"({exc.strerror or exc}); choose a writable folder") from None
+        self.tracker = open_tracker(tracker, self.output_dir, config or {}, tracker_run_id)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.tracker is not None:
+            self.tracker.log(record)
+
+    def write_json(self, name: str, data: dict[str, Any]) -> Path | None:
+        """`name` in the output folder, replaced atomically."""
+        if not self.enabled:
+            return None
+        path = self.output_dir / name
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+        return path
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
 
 
 class Tracker(Protocol):
