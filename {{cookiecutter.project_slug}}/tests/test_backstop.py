@@ -270,8 +270,10 @@ def test_sigterm_ends_the_process_within_5_s_in_every_phase(workdir, phase):
 
 def test_a_second_sigterm_ends_the_process_at_once(workdir):
     run = Run(workdir)
-    # Log steps (where a stop is agreed) 100000 steps apart: only the second signal ends it.
-    proc = run.python(*LONG, "--log-every", "100000", "--save-every-steps", "5")
+    # Log steps (where a stop is agreed) 100000 steps apart, and no epoch's end (which logs)
+    # in the meantime: only the second signal ends it.
+    proc = run.python(*LONG, "--log-every", "100000", "--save-every-steps", "5",
+                      "--dataset-size", "131072")
     while not list((workdir / "checkpoints").glob("ckpt_*")):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)

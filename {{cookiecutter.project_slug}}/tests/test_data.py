@@ -270,13 +270,14 @@ def test_the_log_step_reads_its_all_reduce_later_through_a_queued_copy(monkeypat
     from {{ cookiecutter.package_name }}.metrics import LogStats
 
     log = FakeCuda(monkeypatch).log
-    stats = LogStats(torch.tensor(6.0), 3, None, {"step": 10}, CPU, CPU, queued=queued)
+    stats = LogStats({"loss": torch.tensor(6.0), "part": torch.tensor(1.5)}, {"loss": 3, "part": 1},
+                     None, {"step": 10}, CPU, CPU, queued=queued)
     # queued (NCCL on a GPU): the copy to the host is queued behind the all_reduce with an event,
     # and reading it waits for that event alone
     assert log == ([("event recorded",)] if queued else [])
-    loss, stop, peak, _ = stats.result()
+    means, stop, peak, _ = stats.result()
     assert log == ([("event recorded",), ("host waits for the event",)] if queued else [])
-    assert (loss, stop, len(peak)) == (2.0, False, 1) and peak[0] > 0
+    assert (means, stop, len(peak)) == ({"loss": 2.0, "part": 1.5}, False, 1) and peak[0] > 0
 
 
 @needs_cuda

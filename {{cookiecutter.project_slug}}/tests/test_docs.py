@@ -415,3 +415,27 @@ def test_every_named_flag_exists(flags):
             if not any(flags[c](flag) for c in commands if c in flags):
                 dead.append(f"{piece.where()}: {flag} (not a flag of {', '.join(commands)})")
     assert not dead, "\n".join(dead)
+
+
+def test_the_module_table_names_every_module():
+    """docs/configuration.md's table of files names every module of this project's package."""
+    text = (PROJECT_ROOT / "docs/configuration.md").read_text(encoding="utf-8")
+    table = text.split("\n## Files", 1)[1]
+    named = {m.removeprefix(f"{PACKAGE.name}/") for m in re.findall(r"`([\w/]+\.py)`", table)}
+    modules = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
+               if p.name != "__init__.py"}
+    assert sorted(modules - named) == []
+
+
+def test_the_optional_task_functions_are_listed_alike():
+    """The README's table of task.py's functions and task.py's own docstring list the same
+    optional functions (the docstring is the example's: a task of your own may say less)."""
+    skip_unless_example_task()
+    readme = (PROJECT_ROOT / "README.md").read_text(encoding="utf-8")
+    rows = [row for row in readme.splitlines() if row.startswith("| `") and "(optional)" in row]
+    in_readme = {name for row in rows for name in re.findall(r"`(\w+)\(", row.split("|")[1])}
+    docstring = ast.get_docstring(ast.parse((PACKAGE / "task.py").read_text(encoding="utf-8")))
+    optional = docstring.split("Optional:", 1)[1]
+    in_task = set(re.findall(r"^\s+(\w+)\(", optional, re.MULTILINE)) | set(
+        re.findall(r", (\w+)\(", optional))
+    assert in_readme == in_task and len(in_readme) >= 8, (in_readme, in_task)

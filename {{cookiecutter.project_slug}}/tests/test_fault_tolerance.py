@@ -54,7 +54,9 @@ def test_replica_settings_come_from_the_environment():
     assert replicas.share(World(1, 1, 2, 2, "torchrun")) == (3, 6)
     for bad, words in [({"TORCHFT_LIGHTHOUSE": ""}, "TORCHFT_LIGHTHOUSE is not set"),
                        ({"REPLICA_GROUP_ID": "3"}, "REPLICA_GROUP_ID 3 is not below"),
-                       ({"REPLICA_GROUP_ID": "x"}, "REPLICA_GROUP_ID=x is not a whole number")]:
+                       ({"REPLICA_GROUP_ID": "x"}, "REPLICA_GROUP_ID=x is not a whole number"),
+                       ({"REPLICA_GROUP_ID": "0", "NUM_REPLICA_GROUPS": "0"},
+                        "NUM_REPLICA_GROUPS=0: there must be at least one replica group")]:
         with pytest.raises(UsageError, match=words):
             Replicas.from_env({**env, **bad})
     # HOST:PORT gets its http:// (torchft would wait out every timeout without it).

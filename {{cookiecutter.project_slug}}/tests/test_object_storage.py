@@ -20,6 +20,7 @@ from conftest import (
     assert_same_model,
     child_env,
     final_model,
+    needs_numpy,
     ok,
     one_error,
     python_train,
@@ -181,27 +182,35 @@ def test_sigterm_saves_to_the_bucket_before_the_process_leaves(tmp_path, example
     assert f"evaluation of {saved} (step {stopped_at})" in result.stdout
     predict = [sys.executable, str(Path(TRAIN).parent / "scripts" / "predict.py")]
     missing = run_cmd([*predict, f"{url}/ckpt_step00000001.pt", "x"], tmp_path, **s3.env())
-    assert f"{url}/ckpt_step00000001.pt: no such file or folder" in one_error(missing)
+    assert f"{url}/ckpt_step00000001.pt: nothing is stored at that URL" in one_error(missing)
 
 
+@pytest.mark.parametrize("layout, extra", [("data_parallel", []),
+                                           pytest.param("fsdp", ["--async-save"],
+                                                        marks=needs_numpy)])
 def test_an_upload_that_keeps_failing_stops_the_run_naming_the_newest_complete_checkpoint(
-        tmp_path, example_task, s3):
+        tmp_path, example_task, s3, layout, extra):
+    """Storage that refuses the second checkpoint's writes: one line naming the first (with fsdp
+    and --async-save the shards are written by a thread: no thread traceback either)."""
     from s3server import Proxy
 
     url = "s3://bkt/failing"
     proxy = Proxy(("127.0.0.1", s3.port), refuse_word="ckpt_step00000016")
     try:
         started = time.monotonic()
-        result = torchrun([*FLAGS, "--checkpoint-dir", url], tmp_path,
-                          **s3.env(proxy.endpoint))
+        result = torchrun([*FLAGS, "--checkpoint-dir", url, "--model-layout", layout, *extra],
+                          tmp_path, **s3.env(proxy.endpoint))
         took = time.monotonic() - started
     finally:
         proxy.close()
     line = one_error(result)
-    assert "cannot upload checkpoint" in line and "after 3 tries" in line, line
-    assert f"the newest complete checkpoint is {url}/ckpt_step00000008.pt" in line, line
+    assert "Exception in thread" not in result.stderr, result.stderr  # (torchrun's own remains)
+    first = "ckpt_step00000008" + (".pt" if layout == "data_parallel" else "")
+    assert f"the newest complete checkpoint is {url}/{first}" in line, line
+    if layout == "data_parallel":
+        assert "cannot upload checkpoint" in line and "after 3 tries" in line, line
     assert proxy.refused >= 3 and took < 120
-    assert checkpoints(s3.fs(), url[9:]) == ["ckpt_step00000008.pt"]
+    assert [c for c in checkpoints(s3.fs(), url[9:]) if "00000016" not in c] == [first]
 
 
 def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3):
@@ -236,6 +245,13 @@ def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3
                                                                          **wrong)
     finally:
         guarded.close()
+    # A --resume URL, or a checkpoint given to predict.py, where nothing is stored.
+    for url in ("s3://bkt/nothing/ckpt_step00000008.pt", "s3://bkt/nothing"):
+        line = one_error(python_train([*FLAGS, "--resume", url], tmp_path, **s3.env()))
+        assert f"--resume {url}: nothing is stored at that URL; name a checkpoint" in line, line
+        result = run_cmd([sys.executable, str(Path(TRAIN).parent / "scripts/predict.py"), url,
+                          "1"], tmp_path, **s3.env())
+        assert f"{url}: nothing is stored at that URL" in one_error(result)
 
 
 def test_url_mistakes_are_one_line(tmp_path, example_task):

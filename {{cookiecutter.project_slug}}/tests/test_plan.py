@@ -39,10 +39,11 @@ class Counting(Optimization):
         super().__init__(model, *args, **kwargs)
         self.model = model
 
-    def step(self):
-        grads = nbytes(p.grad for p in self.params if p.grad is not None)
-        super().step()
-        state = nbytes(t for s in self.optimizer.state.values() for t in s.values()
+    def update(self, name=None):
+        params = self.params["default"]
+        grads = nbytes(p.grad for p in params if p.grad is not None)
+        super().update(name)
+        state = nbytes(t for s in self.optimizers["default"].state.values() for t in s.values()
                        if torch.is_tensor(t))
         with open(f"count{dist.get_rank()}.json", "w") as f:
             json.dump({"parameters": nbytes(self.model.parameters()), "gradients": grads,
@@ -110,6 +111,14 @@ def test_a_run_that_does_not_fit_fails_the_plan(workdir, capsys):
         == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "does not fit in 2 GB per GPU" in out
+
+
+def test_the_plans_refusals_name_the_doctors_help(workdir):
+    """A bad --plan flag is one line that sends the user to the doctor's --help, not train.py's."""
+    result = run_cmd([sys.executable, "-m", "{{ cookiecutter.package_name }}.doctor", "--plan",
+                      "--world-size", "0"], workdir)
+    assert result.returncode == 2 and result.stderr.strip().endswith(
+        "(python -m {{ cookiecutter.package_name }}.doctor --help lists the flags)"), result.stderr
 
 
 def test_activations_are_the_tensors_autograd_keeps():

@@ -1,10 +1,10 @@
 """The run's configuration: `Config`, the settings every task shares.
 
 Each is declared once, with `setting` (settings.py builds its --flag and --config key from that);
-the task's own are task.py's `Settings`, declared the same way. The answers this project was
-generated with are the constants below: edit one to change a default, or pass its flag to
-override it for a run. Every value is checked before any work starts: a bad one is one `error:`
-line and exit 2.
+the task's own are task.py's `Settings`, declared the same way. A default is the first argument of
+its `setting(...)` (the template's answers are the DEFAULT_ constants below): edit it to change
+the default, or pass the flag to override it for a run. Every value is checked before any work
+starts: a bad one is one `error:` line and exit 2.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 from .checkpoint import storage
 from .evaluation import parse_goal
 from .failures import local_rank_from_env
-from .settings import (  # setting: also task.py's, as `from .config import setting`
+from .settings import (  # task.py imports `setting` from .settings too
     decay,
     device_pair,
     folder_name,

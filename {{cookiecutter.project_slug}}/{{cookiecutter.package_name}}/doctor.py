@@ -145,6 +145,7 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
 def plan_run(argv: list[str]) -> int:
     """--plan: its own flags taken out, the rest parsed as train.py parses them (plan.py)."""
     parser = Parser(add_help=False, allow_abbrev=False)
+    parser.help_command = f"python -m {__package__}.doctor --help"
     add_plan_flags(parser)
     flags, rest = parser.parse_known_args(argv)
     if flags.world_size is None:
@@ -155,6 +156,7 @@ def plan_run(argv: list[str]) -> int:
 
 def check(argv: list[str] | None = None) -> int:
     parser = build_parser(Config, getattr(task, "Settings", None))  # the same flags as train.py
+    parser.help_command = f"python -m {__package__}.doctor --help"
     parser.description = ("Preflight: what each process sees, then an all_reduce and a barrier; "
                           "with --plan, whether the run fits at --world-size processes.")
     parser.epilog = ("Exit codes: 0 OK; 1 a check failed (the FAIL: line says what to fix), or "

@@ -1,16 +1,15 @@
 """Errors a user can act on, and what a rank says when its peers fail.
 
-Every known failure is a `ProjectError`: a `UsageError` (a mistake the user fixes) or a
-`RunFailure` (something failed while running). The entry point prints it as one `error: ...` line
-and exits 1. Three rules keep the output of a many-rank job readable:
+Every known failure is a `ProjectError`: a `UsageError` (a mistake the user fixes) or a `RunFailure`
+(something failed while running). The entry point prints it as one `error: ...` line and exits 1.
+Three rules keep the output of a many-rank job readable:
 
-- an error every rank finds (a bad flag value, data that does not fit the model) is printed once
-  per node, by local rank 0 (`everywhere=True`);
-- an error of one rank (rank 0 cannot write a checkpoint, rank 1 cannot read a sample) is printed
-  by that rank, which also leaves it in the job's key-value store; a peer that then loses contact
+- an error every rank finds (a bad flag value, data that does not fit the model) is printed once per
+  node, by local rank 0 (`everywhere=True`);
+- an error of one rank (rank 0 cannot write a checkpoint, rank 1 cannot read a sample) is printed by
+  that rank, which also leaves it in the job's key-value store; a peer that then loses contact
   points to it instead of blaming the broken connection;
-- a rank that lost contact and finds no such record names the ranks that stopped answering.
-"""
+- a rank that lost contact and finds no such record names the ranks that stopped answering."""
 
 from __future__ import annotations
 
@@ -29,16 +28,13 @@ import torch.distributed as dist
 
 
 class ProjectError(RuntimeError):
-    """A known failure, printed as one `error: ...` line (no traceback).
-
-    everywhere: every rank found the same problem; only local rank 0 prints it.
-    quiet: another rank prints it (this rank only learned of it).
-    """
+    """A known failure, printed as one `error: ...` line (no traceback). `everywhere`: every rank
+    found the same problem; only local rank 0 prints it. `quiet`: another rank prints it (this rank
+    only learned of it)."""
 
     def __init__(self, message: str, *, everywhere: bool = False, quiet: bool = False) -> None:
         super().__init__(message)
-        self.everywhere = everywhere
-        self.quiet = quiet
+        self.everywhere, self.quiet = everywhere, quiet
 
 
 class UsageError(ProjectError):
@@ -65,8 +61,7 @@ def kind_name(exc: BaseException) -> str:
 def local_rank_from_env() -> int:
     """This process's local rank as far as the launcher's variables tell (0 when none does)."""
     for name in ("LOCAL_RANK", "SLURM_LOCALID"):
-        value = os.environ.get(name, "")
-        if value.isdigit():
+        if (value := os.environ.get(name, "")).isdigit():
             return int(value)
     return 0
 
@@ -111,9 +106,8 @@ def _say(line: str) -> None:
 
 
 def leave_for_torchrun(line: str) -> None:
-    """torchrun ends a failed job with its own traceback and a box naming the first rank that
-    failed; the file it gives each worker puts this line in that box, the last thing printed,
-    instead of a link to its documentation."""
+    """torchrun ends a failed job with a traceback and a box naming the first rank that failed; the
+    file it gives each worker puts this line in that box, printed last, in place of a doc link."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
     if not path or os.path.exists(path):
         return
@@ -135,16 +129,14 @@ def is_communication_failure(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or any(t in str(exc) for t in _COMMUNICATION_FAILURES)
 
 
-# How long the error path may talk to the store. A store whose host vanished from the network
-# answers nothing: one call would block for the whole store timeout (--timeout-s), or for TCP's
-# retransmission timeout (minutes).
+# How long the error path may talk to the store. A store whose host vanished answers nothing: a call
+# would block for the store timeout (--timeout-s) or TCP's retransmission timeout (minutes).
 RECORD_S = 2.0
 EXPLAIN_S = 5.0
 
 
 def bounded(call: Callable[[], Any], seconds: float) -> Any:
-    """`call()` in a helper thread; raises TimeoutError if it has not returned after `seconds`
-    (the thread is left behind: the process is about to end)."""
+    """`call()` in a helper thread; TimeoutError after `seconds` (left behind: the process ends)."""
     outcome: list = []
 
     def target() -> None:
@@ -165,20 +157,16 @@ def bounded(call: Callable[[], Any], seconds: float) -> Any:
 
 
 class PeerErrors:
-    """Failure records in the job's key-value store, which every rank reaches.
-
-    Under torchrun the store lives in the launcher's agent and outlives the workers; under other
-    launchers rank 0 hosts it, so records of rank 0's own failures reach peers through the
-    collectives that agree on rank 0's decisions instead (see `agree`). Every store call
-    here is bounded in time: the store may have gone with a host.
-    """
+    """Failure records in the job's key-value store, which every rank reaches. Under torchrun it
+    lives in the launcher's agent and outlives the workers; elsewhere rank 0 hosts it, so rank 0's
+    own failures reach peers through the collectives that agree on its decisions instead (see
+    `agree`). Every store call here is bounded in time: the store may have gone with a host."""
 
     def __init__(self, store: Any, rank: int, world_size: int, address: str = "",
                  store_at: str = "") -> None:
         """address: this rank's address on the job's network (host names may repeat);
         store_at: where the store is, for messages."""
-        self.store, self.rank, self.world_size = store, rank, world_size
-        self.store_at = store_at
+        self.store, self.rank, self.world_size, self.store_at = store, rank, world_size, store_at
         self.host = socket.gethostname() + (f" ({address})" if address else "")
 
     def announce(self) -> None:
@@ -189,8 +177,7 @@ class PeerErrors:
             pass
 
     def record(self, message: str, kind: str) -> None:
-        """Leave this rank's own error and its kind for its peers (best effort: the store may be
-        gone)."""
+        """Leave this rank's error and kind for its peers (best effort: the store may be gone)."""
         try:
             bounded(lambda: self.store.set(f"error/{self.rank}",
                                            f"{self.host}\n{kind}\n{message}"), RECORD_S)
@@ -202,8 +189,7 @@ class PeerErrors:
         self.store.set(f"comm_failure/{self.rank}", "1")
         deadline = time.monotonic() + wait_s
         while True:
-            found = self._recorded()
-            if found:
+            if found := self._recorded():
                 rank, host, kind, message = found
                 return KINDS.get(kind, RunFailure)(
                     f"rank {self.rank}: stopped because rank {rank} on {host} failed: {message}",
@@ -230,18 +216,16 @@ class PeerErrors:
     def explain(self, exc: BaseException, timeout_s: float) -> ProjectError:
         """The error to raise on this rank after a collective failed with `exc`."""
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        # A closed connection means the peer's process is gone: the survivors notice within
-        # milliseconds, so a short look is enough. A stalled peer never answers: wait longer
-        # for the live ones to mark themselves.
+        # A closed connection means the peer is gone (noticed within milliseconds): a short look is
+        # enough. A stalled peer never answers: wait longer for the live ones to mark themselves.
         closed = any(text in first_line for text in _CLOSED)
         try:
             found = bounded(lambda: self._look(0.5 if closed else 3.0, closed), EXPLAIN_S)
         except Exception:  # the store may have died with the rank or the host that held it
-            return LostContact(
-                f"rank {self.rank} on {self.host}: lost contact with the other ranks "
-                f"({first_line}) and with the job's store{self.store_at}, which does not answer "
-                "either: this host may have dropped off the network, or the store's host is "
-                "gone; see the other ranks' output")
+            return LostContact(f"rank {self.rank} on {self.host}: lost contact with the other "
+                               f"ranks ({first_line}) and with the job's store{self.store_at}, "
+                               "which does not answer either: this host may have dropped off the "
+                               "network, or the store's host is gone; see the other ranks' output")
         if isinstance(found, ProjectError):
             return found
         silent = ", ".join(found) if found else "none found (all saw the failure)"
@@ -257,8 +241,7 @@ def broadcast_text(text: str | None, device: torch.device) -> str | None:
     length = torch.tensor([len(data) if dist.get_rank() != 0 or text is not None else -1],
                           dtype=torch.int64, device=device)
     dist.broadcast(length, src=0)
-    n = int(length.item())
-    if n < 0:
+    if (n := int(length.item())) < 0:
         return None
     buffer = torch.zeros(n, dtype=torch.uint8, device=device)
     if dist.get_rank() == 0 and n:
@@ -268,11 +251,9 @@ def broadcast_text(text: str | None, device: torch.device) -> str | None:
 
 
 def agree(decide: Callable[[], str | None], device: torch.device) -> str | None:
-    """Rank 0 runs `decide`; every rank returns its result, or raises its error's class.
-
-    Rank 0's failure reaches the others as a message, not as a broken connection, so every
-    rank's output points to the real reason (the others stay quiet when they share rank 0's
-    machine, whose own line already says it)."""
+    """Rank 0 runs `decide`; every rank returns its result, or raises its error's class. Rank 0's
+    failure reaches the others as a message, not a broken connection, so every rank's output points
+    to the reason (ranks on rank 0's machine stay quiet: its own line says it)."""
     outcome: str | None = None
     if dist.get_rank() == 0:
         try:

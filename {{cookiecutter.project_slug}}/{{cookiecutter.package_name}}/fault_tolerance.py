@@ -79,6 +79,9 @@ class Replicas:
                                  "replica group", everywhere=True)
             numbers[name] = int(value)
         group, groups = numbers["REPLICA_GROUP_ID"], numbers["NUM_REPLICA_GROUPS"]
+        if groups < 1:
+            raise UsageError(f"NUM_REPLICA_GROUPS={groups}: there must be at least one replica "
+                             "group; set it to how many groups train", everywhere=True)
         if not 0 <= group < groups:
             raise UsageError(f"REPLICA_GROUP_ID {group} is not below NUM_REPLICA_GROUPS "
                              f"{groups}; number the groups 0 to {groups - 1}", everywhere=True)
@@ -227,7 +230,7 @@ def start_manager(replicas: Replicas, world: World, backend: str, device: torch.
 
 
 class FaultTolerantOptimization(Optimization):
-    """Optimization whose step averages the gradients across the live replica groups and is
+    """Optimization whose update averages the gradients across the live replica groups and is
     taken only if every group of this step's quorum got that far (torchft's should_commit). A
     step that is not committed leaves the weights as they were and is not counted; its batch is
     lost."""
@@ -235,12 +238,18 @@ class FaultTolerantOptimization(Optimization):
     def __init__(self, manager: Any, lighthouse: str, say: bool, *args: Any,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if len(self.optimizers) > 1:
+            raise UsageError("train_ft.py takes one optimizer: task.configure_optimizer gives "
+                             f"{len(self.optimizers)}; train several with train.py",
+                             everywhere=True)
         self.manager, self.lighthouse, self.say = manager, lighthouse, say
         self.skipped_steps = 0
         self.participants = 0
+        self.params = next(iter(self.params.values()))
         # All gradients in one buffer: one allreduce across the groups per step.
         self._flat = torch.empty(sum(p.numel() for p in self.params), device=self.params[0].device,
                                  dtype=self.params[0].dtype)
+        self._committed = False
         self._in_step = False
         self._joined = False  # has this group had a quorum yet?
 
@@ -275,7 +284,7 @@ class FaultTolerantOptimization(Optimization):
         self.begin_step()  # this step's quorum, before the gradients are exchanged
         super().backward(loss)
 
-    def step(self) -> bool:
+    def update(self, name: str | None = None) -> None:
         self.begin_step()
         flat, offset = self._flat, 0
         for p in self.params:
@@ -294,19 +303,25 @@ class FaultTolerantOptimization(Optimization):
             print(f"torchft: step {self.manager.current_step()}: {participants} replica "
                   "group(s) taking part", flush=True)
         self.participants = participants
+        self._committed = commit
         if commit:
             offset = 0
             for p in self.params:
                 if p.grad is not None:
                     p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
-            super().step()
-            return True
+            super().update(name)
+            return
         # Not committed: no update, and the step does not count (the trainer's step stays equal
         # to the Manager's, which decides who is behind and heals).
         self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        return False
+        self.optimizers[self.named(name)].zero_grad(set_to_none=True)
+
+    def finish_step(self) -> bool:
+        if self._committed or self._in_step:  # committed, or update() never called
+            self._committed = False
+            return super().finish_step()
+        return False  # not committed: the step does not count
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "torchft": self.manager.state_dict()}
@@ -326,7 +341,7 @@ class Healing:
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
-        return {"model": t.unwrapped.state_dict(), "optimizer": t.optim.optimizer.state_dict(),
+        return {"model": t.unwrapped.state_dict(), "optimizer": t.optim.optimizers.state_dict(),
                 "optim": Optimization.state_dict(t.optim),
                 "selection": t.evaluation.selection.state_dict(),
                 "position": [t.epoch, t.batch_in_epoch, t.step], "last_loss": t.metrics.last_loss}
@@ -337,7 +352,7 @@ class Healing:
             raise RunFailure("this replica group fell behind the others (a step it could not "
                              "commit); restart it and it heals from them", everywhere=True)
         t.unwrapped.load_state_dict(state["model"])
-        t.optim.optimizer.load_state_dict(state["optimizer"])
+        t.optim.optimizers.load_state_dict(state["optimizer"])
         Optimization.load_state_dict(t.optim, state["optim"])
         t.evaluation.selection.load_state_dict(state["selection"])
         t.epoch, t.batch_in_epoch, t.step = state["position"]
@@ -347,16 +362,9 @@ class Healing:
                   f"{t.batch_in_epoch}, step {t.step}", flush=True)
 
 
-class FaultTolerantTrainer(Trainer):
-    """The Trainer of a replica group: a step that torchft did not commit is not counted."""
-
-    def _optimizer_step(self) -> bool:
-        return self.optim.step()
-
-
 def build_replica_trainer(cfg: Config, world: World, backend: str, devices: list[torch.device],
                           lifeline: Lifeline, manager: Any,
-                          replicas: Replicas) -> FaultTolerantTrainer:
+                          replicas: Replicas) -> Trainer:
     """main.build_trainer for one replica group: the groups split the data, then their ranks, and
     the optimizer steps through torchft's Manager."""
     entry.prepare(cfg)
@@ -370,9 +378,9 @@ def build_replica_trainer(cfg: Config, world: World, backend: str, devices: list
                                       devices[0], entry.total_steps(cfg, data),
                                       autocast=entry.uses_autocast(cfg, devices[0]),
                                       configure=getattr(task, "configure_optimizer", None))
-    trainer = FaultTolerantTrainer(cfg, world, task, model, optim, data,
-                                   Runtime(devices[0], backend, lifeline, entry.STARTED_AT,
-                                           comm_hook, len(set(devices))))
+    trainer = Trainer(cfg, world, task, model, optim, data,
+                      Runtime(devices[0], backend, lifeline, entry.STARTED_AT, comm_hook,
+                              len(set(devices))))
     entry.seed_everything(cfg.seed + world.rank)  # different random streams per rank from here on
     return trainer
 

@@ -1,7 +1,8 @@
 """The training loop: `train` -> `_run_epoch` -> `_run_batch`, shaped like PyTorch's DDP tutorial.
 
 Per step it does what a hand-written DDP loop does and nothing more: the loss stays on the device
-until a log step. When to log, evaluate and save is decided by the part that owns it: metrics.py,
+until a log step. The step itself (forward, backward, update) is a function of step.py's, or
+task.train_step. When to log, evaluate and save is decided by the part that owns it: metrics.py,
 evaluation.py and checkpoint/checkpointer.py. The model, its loss and its metrics come from task.py.
 """
 
@@ -21,7 +22,6 @@ from .checkpoint.checkpointer import Checkpointer
 from .config import Config
 from .data import ShardedBatchSampler, move_to
 from .evaluation import Evaluation, Evaluator
-from .failures import UsageError
 from .meters import Throughput
 from .metrics import Metrics
 from .optim import Optimization
@@ -31,6 +31,7 @@ from .runtime.environments import World
 from .runtime.lifeline import Lifeline
 from .runtime.rendezvous import collective_device
 from .runtime.workarounds import set_group_timeout
+from .step import Step, check_values, plain_step
 
 
 @dataclass
@@ -79,7 +80,11 @@ class Trainer:
         evaluated = model if cfg.model_layout == "fsdp" else self.unwrapped  # fsdp: its wrapper
         self.evaluation = Evaluation(cfg, data.evaluator, evaluated, optim.autocast, optim.ema,
                                      world.is_main, self.metrics.record)
-        self._checked_loss = False
+        # One batch of training: task.train_step, or the default step (step.py).
+        custom = getattr(task, "train_step", None)
+        self.train_step = custom or plain_step(task.loss_fn)
+        self.what_steps = "task.train_step" if custom else "task.loss_fn's (loss, parts)"
+        self.step_state = Step(model, self.unwrapped, optim, cfg)
 
     def resume(self) -> None:
         """Apply --resume (checkpoint/checkpointer.py); the loop goes on from the checkpoint."""
@@ -133,9 +138,9 @@ class Trainer:
         self.metrics.start_epoch(epoch, total, self.batch_in_epoch)
         for i, batch in zip(range(self.batch_in_epoch, total), self.loader, strict=False):
             last_in_group, weight = self._accumulation(i, total)
-            loss = self._run_batch(move_to(batch, self.device), weight, sync=last_in_group)
-            self.metrics.batch_done(loss, self.batches.batch_len(i))
-            if last_in_group and self._optimizer_step():
+            values = self._run_batch(move_to(batch, self.device), weight, last=last_in_group)
+            self.metrics.batch_done(values, self.batches.batch_len(i))
+            if last_in_group and self.optim.finish_step():  # torchft: False if not committed
                 self.step, self.batch_in_epoch = self.step + 1, i + 1
                 if self._after_step(epoch, last_of_epoch=i + 1 == total):
                     break
@@ -144,27 +149,18 @@ class Trainer:
             self.epoch, self.batch_in_epoch = epoch + 1, 0
             self._evaluate(epoch)
 
-    def _run_batch(self, batch: Any, weight: float, sync: bool = True) -> torch.Tensor:
-        """Forward and backward of one micro-batch. `weight` is its share of the samples of its
-        accumulation group, so K accumulated micro-batches give the gradient of one K-times
-        larger batch (a short last group included). Gradients are exchanged (`sync`) only at
-        the group's last micro-batch."""
-        if not sync:
+    def _run_batch(self, batch: Any, weight: float, last: bool) -> dict[str, torch.Tensor]:
+        """One batch through the step function; returns what it logs. `weight` is the batch's
+        share of the samples of its accumulation group, so K accumulated batches give the
+        gradient of one K-times larger batch (a short last group included). Gradients are
+        exchanged only at the group's `last` batch, where the optimizers step."""
+        self.step_state.begin(self.step, weight, last)
+        if last:
+            values = self.train_step(self.step_state, batch)
+        else:
             with set_gradient_sync(self.model, False):
-                return self._run_batch(batch, weight)
-        with self.optim.autocast():
-            loss = self.task.loss_fn(self.model, batch)
-        if not self._checked_loss:
-            self._check_loss(loss)
-        self.optim.backward(loss if weight == 1.0 else loss * weight)
-        return loss.detach()
-
-    def _check_loss(self, loss: Any) -> None:
-        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise UsageError(f"task.loss_fn must return the batch's mean loss as a scalar tensor "
-                             f"that requires grad; it returned {shape}", everywhere=True)
-        self._checked_loss = True
+                values = self.train_step(self.step_state, batch)
+        return check_values(values, self.what_steps)
 
     def _agreed_batch_count(self) -> int:
         """The batches every rank will run this epoch: the smallest count of any rank. Our sampler
@@ -183,12 +179,6 @@ class Trainer:
         end = min(start + accum, total)  # the last group of an epoch may be short
         group = sum(self.batches.batch_len(j) for j in range(start, end))
         return i == end - 1, self.batches.batch_len(i) / group
-
-    def _optimizer_step(self) -> bool:
-        """One optimizer step; True when the weights changed. A subclass may refuse a step and
-        return False: the weights then did not change, and the step does not count."""
-        self.optim.step()
-        return True
 
     def _after_step(self, epoch: int, last_of_epoch: bool) -> bool:
         """Log, evaluate and save where each is due; True when training stops at this step."""

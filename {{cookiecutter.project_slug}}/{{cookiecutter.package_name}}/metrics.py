@@ -50,9 +50,10 @@ class Metrics:
         self.peak_mem_mb: list[float] = []  # every rank's, from the last log step
         self.peak_reserved_mb: list[float] = []
         self.summary_path: Path | None = None
-        self._loss_sum = torch.zeros((), device=runtime.device)
-        # batches and samples this rank trained on since the last log; samples in all
-        self._loss_count, self._samples, self._samples_total = 0, 0, 0
+        # Each logged value's sum over the batches since the last log, on the device, and count.
+        self._sums: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, int] = {}
+        self._samples, self._samples_total = 0, 0  # this rank's, since the last log; in all
         self._pending: LogStats | None = None  # a log step's all_reduce, read one step later
 
     def open(self, resumed: bool) -> None:
@@ -87,9 +88,16 @@ class Metrics:
     def start_epoch(self, epoch: int, total: int, done: int) -> None:
         self.progress.start(epoch, total, done)
 
-    def batch_done(self, loss: torch.Tensor, samples: int) -> None:
-        self._loss_sum += loss  # stays on the device: no host sync until the log step
-        self._loss_count += 1
+    def batch_done(self, values: dict[str, torch.Tensor], samples: int) -> None:
+        """A batch's logged values (the loss, its parts): they stay on the device, no host sync
+        until the log step."""
+        for name, value in values.items():
+            value = value.detach().float().reshape(())
+            if name in self._sums:
+                self._sums[name] = self._sums[name] + value
+                self._counts[name] += 1
+            else:
+                self._sums[name], self._counts[name] = value, 1
         self._samples += samples
         self.progress.update()
 
@@ -117,41 +125,43 @@ class Metrics:
     def log(self, step: int, epoch: int) -> None:
         """Start averaging the loss over ranks and steps since the last log, and agreeing on a
         stop request; `settle()` finishes it."""
-        if self._loss_count == 0:
+        if not self._sums:
             return
         now = time.perf_counter()
         samples_per_s = self._samples * self.world.world_size / max(now - self._last_log_time, 1e-9)
-        record = {"step": step, "epoch": epoch, "loss": None, "lr": self.lr(),
+        record = {"step": step, "epoch": epoch, **dict.fromkeys(self._sums), "lr": self.lr(),
                   "samples_per_s": round(samples_per_s, 1),
                   **self.throughput.of(samples_per_s), "time_s": round(now - self._start, 3)}
-        self._pending = LogStats(self._loss_sum, self._loss_count, self.lifeline.stop_signal,
-                                 record, self.device, self.comm_device,
+        self._pending = LogStats(self._sums, self._counts, self.lifeline.stop_signal, record,
+                                 self.device, self.comm_device,
                                  queued=self.comm_device.type == "cuda")
         self._samples_total += self._samples
-        self._loss_sum.zero_()
-        self._loss_count, self._samples, self._last_log_time = 0, 0, now
+        self._sums, self._counts, self._samples, self._last_log_time = {}, {}, 0, now
 
     def settle(self) -> None:
         """Finish the pending log step: the NaN check, the stop agreement, its metrics line."""
         if self._pending is None:
             return
         stats, self._pending = self._pending, None
-        loss, stop, self.peak_mem_mb, self.peak_reserved_mb = stats.result()
+        means, stop, self.peak_mem_mb, self.peak_reserved_mb = stats.result()
         record, signum = stats.record, stats.signum
-        if not math.isfinite(loss):
-            raise RunFailure(f"the loss became {loss} by step {record['step']}; "
-                             f"{self.newest_checkpoint()}; lower --lr, use --clip-grad, or check "
-                             "the data", everywhere=True)
+        for name, value in means.items():
+            if not math.isfinite(value):
+                raise RunFailure(f"the {name} became {value} by step {record['step']}; "
+                                 f"{self.newest_checkpoint()}; lower --lr, use --clip-grad, or "
+                                 "check the data", everywhere=True)
         if stop:  # some rank was asked to stop: every rank stops at the step that reads it
             self.stopped_by = signal.Signals(signum).name if signum else "another rank's signal"
             self.stop_signal = signum or signal.SIGTERM
-        self.last_loss = loss
-        record.update(loss=loss, peak_mem_mb=self.peak_mem_mb)
+        self.last_loss = means.get("loss", self.last_loss)
+        record.update(**means, peak_mem_mb=self.peak_mem_mb)
         if self.device.type == "cuda":
             record["peak_reserved_mb"] = self.peak_reserved_mb
         self.writer.log(record)
-        if not self.progress.show(f"loss={loss:.4f}") and self.world.is_main:
-            print(f"epoch {record['epoch']} step {record['step']} loss {loss:.5f} samples/s "
+        shown = " ".join(f"{name} {value:.5f}" for name, value in means.items())
+        bar = " ".join(f"{name}={value:.4f}" for name, value in means.items())
+        if not self.progress.show(bar) and self.world.is_main:
+            print(f"epoch {record['epoch']} step {record['step']} {shown} samples/s "
                   f"{record['samples_per_s']:.0f}", flush=True)
 
     # ---------------------------------------------------------------- the end
@@ -206,21 +216,22 @@ class Metrics:
 
 
 class LogStats:
-    """One all_reduce for a log step, started without waiting: the mean loss over ranks and steps,
-    whether any rank was asked to stop, and every rank's peak memory (each rank fills its own
-    slots: a gather). On a GPU (`queued`: NCCL on the stream) its copy to the host is queued too,
-    so `result()` waits for the copy alone, not for the steps queued after it."""
+    """One all_reduce for a log step, started without waiting: each logged value's sum over ranks
+    and batches and its count (their mean), whether any rank was asked to stop, and every rank's
+    peak memory (each rank fills its own slots: a gather). On a GPU (`queued`: NCCL on the
+    stream) its copy to the host is queued too, so `result()` waits for the copy alone, not for
+    the steps queued after it."""
 
-    def __init__(self, loss_sum: torch.Tensor, count: int, signum: int | None,
+    def __init__(self, sums: dict[str, torch.Tensor], counts: dict[str, int], signum: int | None,
                  record: dict[str, Any], device: torch.device, comm_device: torch.device,
                  queued: bool) -> None:
-        self.signum, self.record = signum, record  # this rank's stop signal; the line so far
-        rank, world = dist.get_rank(), dist.get_world_size()
-        stats = torch.zeros(3 + 2 * world, device=comm_device)
-        stats[0] = loss_sum.float().to(comm_device)
-        stats[1] = count
-        stats[2] = float(signum is not None)
-        stats[3 + rank], stats[3 + world + rank] = peak_memory_mb(device)
+        self.signum, self.record, self.names = signum, record, list(sums)
+        rank, world, k = dist.get_rank(), dist.get_world_size(), len(sums)
+        host = [float(signum is not None), *(float(counts[n]) for n in self.names)]
+        host += [0.0] * 2 * world
+        host[1 + k + rank], host[1 + k + world + rank] = peak_memory_mb(device)
+        stats = torch.cat([torch.stack(list(sums.values())).to(comm_device),
+                           torch.tensor(host).to(comm_device, non_blocking=True)])
         self.work = dist.all_reduce(stats, async_op=True)
         self.copied: torch.cuda.Event | None = None
         if queued:
@@ -230,14 +241,18 @@ class LogStats:
             self.copied.record()
         self.stats = stats
 
-    def result(self) -> tuple[float, bool, list[float], list[float]]:
+    def result(self) -> tuple[dict[str, float], bool, list[float], list[float]]:
         if self.copied is not None:
             self.copied.synchronize()
         else:
             self.work.wait()
-        values, world = self.stats.tolist(), (len(self.stats) - 3) // 2
-        return (values[0] / values[1], values[2] > 0, [round(v, 1) for v in values[3:3 + world]],
-                [round(v, 1) for v in values[3 + world:]])
+        k = len(self.names)
+        values = self.stats.tolist()
+        sums, stop, counts = values[:k], values[k], values[k + 1:2 * k + 1]
+        memory = values[2 * k + 1:]
+        world = len(memory) // 2
+        return ({n: s / c for n, s, c in zip(self.names, sums, counts, strict=True)}, stop > 0,
+                [round(v, 1) for v in memory[:world]], [round(v, 1) for v in memory[world:]])
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, float]:

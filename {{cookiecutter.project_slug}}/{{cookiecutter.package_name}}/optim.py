@@ -36,15 +36,30 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
     return factor
 
 
-class Optimization:
-    """The optimizer with its schedule, autocast and (fp16 only) a GradScaler, behind three calls:
-    `autocast()` around the forward, `backward(loss)`, `step()` once per optimizer step.
+class Optimizers(dict):
+    """The run's optimizers by name (one, named "default", unless task.configure_optimizer names
+    several). Their state in a file checkpoint: the one optimizer's state_dict, or one per name."""
 
-    The optimizer is AdamW over every trainable parameter, or what `configure(model, cfg)`
-    returns (task.configure_optimizer, given the user's model without DDP's wrapper): an optimizer,
-    parameter groups allowed, or an (optimizer, scheduler) pair. Without a scheduler of its own,
-    --lr-schedule and --warmup-steps scale each group's learning rate. Either way the scheduler
-    steps once per optimizer step and its state goes into every checkpoint."""
+    def state_dict(self) -> dict[str, Any]:
+        if list(self) == ["default"]:
+            return self["default"].state_dict()
+        return {name: optimizer.state_dict() for name, optimizer in self.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, optimizer in self.items():
+            optimizer.load_state_dict(state if list(self) == ["default"] else state[name])
+
+
+class Optimization:
+    """The optimizers with their schedules, autocast and (fp16 only) one GradScaler, behind the
+    calls of a step: `autocast()` around the forward, `backward(loss)`, `update(name)` for each
+    optimizer that steps, and `finish_step()` once per step.
+
+    The optimizer is AdamW over every trainable parameter, or what `configure(model, cfg)` returns
+    (task.configure_optimizer, given the user's model without DDP's wrapper): an optimizer,
+    parameter groups allowed, an (optimizer, scheduler) pair, or `{name: either}` over parts of
+    the model. Without a scheduler of its own, --lr-schedule and --warmup-steps scale each group's
+    learning rate. Every scheduler steps with its optimizer; their state is in every checkpoint."""
 
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device, total_steps: int,
                  autocast: bool = True, configure: Callable | None = None) -> None:
@@ -52,22 +67,28 @@ class Optimization:
             raise UsageError("--precision fp16 needs CUDA (it relies on a GradScaler); use "
                              "--precision bf16 on CPU", everywhere=True)
         self.cfg, self.device, self.total_steps = cfg, device, total_steps
-        self.params = [p for p in model.parameters() if p.requires_grad]
         # On a GPU, the fused AdamW: one kernel for all parameters (CPU: as it always was).
         made = configure(unwrap(model), cfg) if configure else torch.optim.AdamW(
-            self.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-            fused=True if device.type == "cuda" else None)
-        self.optimizer, scheduler = made if isinstance(made, tuple) else (made, None)
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise UsageError("task.configure_optimizer must return a torch.optim.Optimizer or an "
-                             f"(optimizer, scheduler) pair, not {type(made).__name__}",
-                             everywhere=True)
-        self.scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
+            [p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+            weight_decay=cfg.weight_decay, fused=True if device.type == "cuda" else None)
+        self.optimizers, self.schedulers = Optimizers(), {}
+        for name, value in (made if isinstance(made, dict) else {"default": made}).items():
+            optimizer, scheduler = value if isinstance(value, tuple) else (value, None)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise UsageError("task.configure_optimizer must return a torch.optim.Optimizer, "
+                                 "an (optimizer, scheduler) pair or a dict of them by name, not "
+                                 f"{type(value).__name__}", everywhere=True)
+            self.optimizers[name] = optimizer
+            self.schedulers[name] = scheduler or torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
+        self.params = {name: [p for g in o.param_groups for p in g["params"]]
+                       for name, o in self.optimizers.items()}
+        check_disjoint(self.params, unwrap(model))
         # fsdp on CUDA casts through its own mixed-precision policy instead of autocast.
         self.amp_dtype = AMP_DTYPES[cfg.precision] if autocast else None
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16")
         self.ema = EMA(unwrap(model), cfg.ema_decay) if cfg.ema_decay else None
+        self.updated: list[str] = []  # the optimizers updated in this step, in order
 
     def autocast(self) -> contextlib.AbstractContextManager:
         # In fp32 skip autocast altogether: even a disabled autocast costs microseconds a step.
@@ -78,30 +99,75 @@ class Optimization:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def step(self) -> None:
-        """One optimizer step: clip, step, the schedule, the EMA."""
+    def update(self, name: str | None = None) -> None:
+        """Optimizer `name` steps (the only one when None): clip its true gradients, step, zero
+        them, then its schedule."""
+        name = self.named(name)
+        optimizer = self.optimizers[name]
         if self.cfg.clip_grad > 0:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_grad)
-        self.scaler.step(self.optimizer)
+            self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            torch.nn.utils.clip_grad_norm_(self.params[name], self.cfg.clip_grad)
+        self.scaler.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        self.schedulers[name].step()
+        self.updated.append(name)
+
+    def named(self, name: str | None) -> str:
+        """`name` when there is such an optimizer (None: the only one), else one error line."""
+        if name in self.optimizers:
+            return name
+        if name is None and len(self.optimizers) == 1:
+            return next(iter(self.optimizers))
+        have = ", ".join(f"'{n}'" for n in self.optimizers)
+        raise UsageError(f"task.train_step: no optimizer {name!r}: task.configure_optimizer "
+                         f"gives {have}" if name else f"task.train_step: step.update() needs "
+                         f"the name of one of the optimizers {have}", everywhere=True)
+
+    def finish_step(self) -> bool:
+        """After a step's last batch: one scale update (fp16), the gradients left by a backward
+        after its optimizer's update zeroed, the EMA. True when the weights changed."""
+        if not self.updated:
+            raise UsageError("task.train_step never called step.update(...): no optimizer "
+                             "stepped, so nothing would learn", everywhere=True)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if len(self.optimizers) > 1:  # a later backward may have reached an updated optimizer
+            for optimizer in self.optimizers.values():
+                optimizer.zero_grad(set_to_none=True)
+        self.updated.clear()
         if self.ema is not None:
             self.ema.update()
+        return True
 
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return next(iter(self.schedulers.values())).get_last_lr()[0]
 
     def state_dict(self) -> dict[str, Any]:
-        """Scheduler and scaler state (the optimizer's own state is saved with the model)."""
-        return {"scheduler": self.scheduler.state_dict(),
+        """Schedulers and scaler (the optimizers' own state is saved with the model)."""
+        schedulers = {name: s.state_dict() for name, s in self.schedulers.items()}
+        one = list(schedulers) == ["default"]
+        return {"scheduler": schedulers["default"] if one else schedulers,
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
+        one = list(self.schedulers) == ["default"]
+        for name, scheduler in self.schedulers.items():
+            scheduler.load_state_dict(state["scheduler"] if one else state["scheduler"][name])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+def check_disjoint(params: dict[str, list[torch.Tensor]], model: nn.Module) -> None:
+    """No parameter in two optimizers: each would step it."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    owner: dict[int, str] = {}
+    for optimizer, group in params.items():
+        for p in group:
+            if id(p) in owner:
+                raise UsageError(f"task.configure_optimizer: parameter "
+                                 f"'{names.get(id(p), '?')}' is in optimizers '{owner[id(p)]}' "
+                                 f"and '{optimizer}'; give each parameter to one optimizer",
+                                 everywhere=True)
+            owner[id(p)] = optimizer
 
 
 def optimizer_state(model: nn.Module, cfg: Config,
@@ -113,12 +179,14 @@ def optimizer_state(model: nn.Module, cfg: Config,
     try:  # Optimization's AdamW (fused on CUDA: the same state, `step` on the GPU)
         made = configure(model, cfg) if configure else torch.optim.AdamW(
             trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        optimizer = made[0] if isinstance(made, tuple) else made
-        name = type(optimizer).__name__
+        optimizers = [m[0] if isinstance(m, tuple) else m
+                      for m in (made.values() if isinstance(made, dict) else [made])]
+        name = " + ".join(type(optimizer).__name__ for optimizer in optimizers)
         for p in trainable:
             p.grad = torch.empty_like(p)
-        optimizer.step()
+        for optimizer in optimizers:
+            optimizer.step()
     except Exception:
         return name, None
     return name, {id(p): [t for t in optimizer.state[p].values() if torch.is_tensor(t)]
-                  for p in trainable if p in optimizer.state}
+                  for optimizer in optimizers for p in trainable if p in optimizer.state}

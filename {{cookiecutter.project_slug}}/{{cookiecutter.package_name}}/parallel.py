@@ -116,8 +116,11 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
     single_cuda = len(set(devices)) == 1 and devices[0].type == "cuda"
     # bucket_cap_mb only when given: any value, even DDP's 25, drops its small first bucket.
     buckets = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
+    # A step of the task's own may leave parameters without gradients (a GAN's critic step never
+    # reaches the generator): DDP then finds them after each forward (docs/custom-step.md).
+    unused = cfg.find_unused_parameters or hasattr(task, "train_step")
     wrapped: nn.Module = DDP(model, device_ids=[devices[0]] if single_cuda else None,
-                             find_unused_parameters=cfg.find_unused_parameters,
+                             find_unused_parameters=unused,
                              static_graph=cfg.static_graph,
                              gradient_as_bucket_view=cfg.gradient_as_bucket_view, **buckets)
     return torch.compile(wrapped) if cfg.compile else wrapped

@@ -54,8 +54,7 @@ def static_memory(cfg: Config, layout: str, world: int,
              for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
     name, state = optimizer_state(model, cfg, getattr(task, "configure_optimizer", None))
     out = [dict.fromkeys(ROWS[:-2], 0) for _ in range(2 if second else 1)]
-    # DDP's buckets hold a second copy of the gradients unless they are its views, and PowerSGD's
-    # error feedback one more (comm_hooks.py).
+    # DDP's buckets hold a gradient copy unless they are views; PowerSGD's error feedback one more.
     copies = (not cfg.gradient_as_bucket_view) + (cfg.comm_hook == "powersgd") if shards == 1 else 0
     for p in model.parameters():  # each shared parameter once
         gpu, local = out[owner[id(p)]], rows_on_rank(p, shards)
@@ -185,8 +184,7 @@ def settings(cfg: Config, world: int, samples: int | None, source: str, model: n
                             f"at {world} processes ({per_epoch} step(s) each): the run stops at "
                             f"step {ran}, before its schedule ends")
     if cfg.comm_hook == "powersgd" and cfg.model_layout != "fsdp":
-        # comm_hooks.PowerSGD's rule: a gradient seen as (rows, rest) is compressed when that
-        # shrinks it more than PowerSGDState's min_compression_rate (2).
+        # As comm_hooks.PowerSGD: a (rows, rest) gradient is compressed if that shrinks it over 2x.
         shapes = [(p.shape[0], p.numel() // p.shape[0]) if p.dim() else (1, 1)
                   for p in model.parameters() if p.requires_grad]
         whole = sum(n * m <= (n + m) * min(n, m, cfg.powersgd_rank) * 2 for n, m in shapes)

@@ -108,9 +108,10 @@ class Parser(argparse.ArgumentParser):
 
     types: dict[str, str]  # each field's declared type, by dest ("task.<name>": the task's)
     launch_only: set[str]  # dests a --config file may not set: they describe one launch
+    help_command = "python train.py --help"  # the doctor's parsers name their own
 
     def error(self, message: str) -> NoReturn:
-        self.fail(f"{message} (python train.py --help lists the flags)")
+        self.fail(f"{message} ({self.help_command} lists the flags)")
 
     def fail(self, message: str) -> NoReturn:
         say_once_per_node(message, local_rank_from_env())

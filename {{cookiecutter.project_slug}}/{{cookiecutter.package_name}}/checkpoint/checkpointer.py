@@ -94,7 +94,7 @@ class Checkpointer:
                 "optim": self.optim.state_dict(), "config": self.cfg.to_dict()}
         if self.dcp is not None:
             ema, meta["has_ema"] = self.optim.ema, self.optim.ema is not None
-            self.dcp.save(self.model, self.optim.optimizer, rng, meta, step, self._prepare_folder,
+            self.dcp.save(self.model, self.optim.optimizers, rng, meta, step, self._prepare_folder,
                           ema and {"ema": ema.state_dict()})
         else:
             if self.comm_hook is not None:  # every rank's part: a collective
@@ -105,8 +105,8 @@ class Checkpointer:
 
     def _write_file(self, rng: torch.Tensor, meta: dict[str, Any], step: int) -> None:
         self._prepare_folder()
-        state = {"model": self.model.state_dict(), "optimizer": self.optim.optimizer.state_dict(),
-                 "rng": rng, **meta}
+        state = {"model": self.model.state_dict(), "rng": rng, **meta,
+                 "optimizer": self.optim.optimizers.state_dict()}
         if self.optim.ema is not None:
             state["ema"] = self.optim.ema.state_dict()
         if self.staging is None:
@@ -196,7 +196,7 @@ class Checkpointer:
     def _load(self, path: storage.AnyPath) -> dict[str, Any]:
         """Every rank: the checkpoint into the model, optimizer, schedule, EMA and comm hook."""
         try:
-            meta = load_into(path, self.model, self.optim.optimizer, self.world.world_size,
+            meta = load_into(path, self.model, self.optim.optimizers, self.world.world_size,
                              self.world.rank, self.cfg.batch_size, self.device, self.optim.ema)
         except ProjectError:
             raise

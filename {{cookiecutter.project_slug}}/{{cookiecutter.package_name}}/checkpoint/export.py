@@ -13,7 +13,7 @@ from typing import Any
 from ..ema import model_state
 from ..failures import ProjectError, UsageError
 from . import storage
-from .files import load_checkpoint, read_meta, unreadable, write_file
+from .files import load_checkpoint, missing, read_meta, unreadable, write_file
 from .storage import AnyPath
 
 
@@ -36,7 +36,7 @@ def model_and_meta(source: AnyPath, raw_weights: bool = False) -> tuple[dict[str
     except OSError as exc:  # object storage: credentials, endpoint
         raise UsageError(f"{source}: {storage.diagnosis(str(source), exc)}") from None
     if not found:
-        raise UsageError(f"{source}: no such file or folder")
+        raise UsageError(f"{source}: {missing(source)}")
     why = unreadable(source)
     if why:
         raise UsageError(f"{source}: cannot load it ({why})")

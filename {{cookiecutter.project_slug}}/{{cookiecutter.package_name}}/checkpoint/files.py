@@ -7,8 +7,7 @@ Two formats, one naming scheme (the step is in the name, so the newest is the hi
   own shards (fsdp), plus `meta.json` with the position in training.
 Both are written under a temporary name and renamed when complete, so a kill at any moment leaves
 either the old set or the new one (folder.py: the run's folder, its lock and pruning). The folder
-may be a URL (s3://bucket/prefix): storage.py says how a checkpoint there is complete.
-"""
+may be a URL (s3://bucket/prefix): storage.py says how a checkpoint there is complete."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def checkpoint_path(directory: str | AnyPath, step: int, sharded: bool = False) 
 
 
 def step_of(path: AnyPath) -> int:
-    match = _NAME.match(path.name)
-    if not match:
+    if not (match := _NAME.match(path.name)):
         raise ValueError(f"{path} is not named like a checkpoint (ckpt_stepNNNNNNNN)")
     return int(match.group(1))
 
@@ -77,6 +75,8 @@ def read_meta(path: AnyPath) -> dict[str, Any]:
 def unreadable(path: AnyPath, resuming: bool = False) -> str | None:
     """Why a checkpoint cannot be loaded (or, `resuming`, resumed from), or None if it can. Reads
     only its structure (a truncated file fails here) and its metadata, not its tensors."""
+    if not path.exists():
+        return missing(path)
     if path.is_dir() and not is_complete(path):
         if any(path.glob("*.distcp")):
             return "incomplete: its save did not finish"
@@ -96,6 +96,12 @@ def unreadable(path: AnyPath, resuming: bool = False) -> str | None:
         return ("an export, which holds the model's weights only: resume from a checkpoint of "
                 "--checkpoint-dir")
     return None
+
+
+def missing(path: AnyPath) -> str:
+    """What an error line says of a checkpoint path where nothing is."""
+    return ("nothing is stored at that URL" if isinstance(path, RemotePath)
+            else "no such file or folder")
 
 
 def fsync_dir(directory: Path) -> None:

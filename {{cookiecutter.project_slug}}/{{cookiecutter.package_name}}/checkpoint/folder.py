@@ -52,11 +52,9 @@ def _lock(handle: Any) -> bool:
         return False
 
 
-
 def probe(directory: RemotePath, timeout_s: float, flag: str = "--checkpoint-dir") -> None:
-    """Write, list and delete a small object under `directory`, so that a bucket that does not
-    exist, refused credentials, an unreachable endpoint or a read-only prefix is one line before
-    training (UsageError), within `timeout_s`."""
+    """Write, list and delete a small object in `directory`: a missing bucket, bad credentials, an
+    unreachable endpoint or a read-only prefix is one UsageError before training, in `timeout_s`."""
     key = f"{directory.key}/.write-probe-{socket.gethostname()}-{os.getpid()}"
 
     def attempt() -> None:
@@ -64,8 +62,7 @@ def probe(directory: RemotePath, timeout_s: float, flag: str = "--checkpoint-dir
         directory.fs.ls(directory.key, detail=False)
         directory.fs.rm_file(key)
 
-    failure = storage.within(attempt, timeout_s)
-    where = f"{flag} {storage.redact(directory.url)}"
+    failure, where = storage.within(attempt, timeout_s), f"{flag} {storage.redact(directory.url)}"
     if isinstance(failure, TimeoutError):
         raise UsageError(f"{where}: {failure}; check AWS_ENDPOINT_URL and the network")
     if failure is not None:
@@ -77,8 +74,7 @@ class CheckpointDir:
 
     def __init__(self, directory: str | AnyPath, keep_last: int, timeout_s: float = 300) -> None:
         self.directory = storage.location(directory)
-        self.remote = isinstance(self.directory, RemotePath)
-        self.timeout_s = timeout_s
+        self.remote, self.timeout_s = isinstance(self.directory, RemotePath), timeout_s
         self.saved: AnyPath | None = None  # this run's newest complete checkpoint
         self.keep_last = keep_last
         self.keep_step: int | None = None  # --keep-best's checkpoint: never pruned
@@ -121,10 +117,7 @@ class CheckpointDir:
                 storage.remove(leftover)
 
     def check_space(self, needed: int) -> None:
-        if self.remote:
-            return
-        free = shutil.disk_usage(self.directory).free
-        if free < needed:
+        if not self.remote and (free := shutil.disk_usage(self.directory).free) < needed:
             raise UsageError(f"--checkpoint-dir {self.directory} has {free / 2**20:.0f} MB free; "
                              f"a checkpoint of this model needs about {needed / 2**20:.0f} MB: "
                              "free space or choose another --checkpoint-dir")
@@ -136,11 +129,10 @@ class CheckpointDir:
             self._lock_file = None
 
     def set_aside(self, resumed_from: Path | None) -> Path | None:
-        """Move checkpoints that are not this run's history into `earlier-<time>/`.
-
-        A run that resumes from step S of this folder continues its history: only checkpoints
-        after S (an abandoned continuation, or a damaged newest one) move. A run that starts over,
-        or resumes from another folder, moves them all. Nothing is deleted."""
+        """Move checkpoints that are not this run's history into `earlier-<time>/`; nothing is
+        deleted. A run that resumes from step S of this folder continues its history: only
+        checkpoints after S (an abandoned continuation, or a damaged newest one) move. A run that
+        starts over, or resumes from another folder, moves them all."""
         same_folder = (resumed_from is not None
                        and storage.location(str(resumed_from)).resolve().parent
                        == self.directory.resolve())
@@ -197,8 +189,9 @@ class CheckpointDir:
                 job()
             except ProjectError as exc:  # kept whole: its class and flags
                 self._error = exc
-            except Exception as exc:  # report it at the next save instead of losing it
-                self._error = RunFailure(f"background checkpoint save failed: {exc!r}")
+            except BaseException as exc:  # DCP's CheckpointException too: no thread traceback
+                self._error = RunFailure(f"a background checkpoint save failed "
+                                         f"({storage.reason(exc)}); {newest_complete(self.saved)}")
 
         self._thread = threading.Thread(target=run, name="checkpoint-save", daemon=True)
         self._thread.start()
@@ -225,9 +218,8 @@ class Staging:
         if isinstance(state, torch.Tensor):
             buffer = self._buffers.get(prefix)
             if buffer is None or buffer.shape != state.shape or buffer.dtype != state.dtype:
-                buffer = torch.empty(state.shape, dtype=state.dtype, device="cpu",
-                                     pin_memory=state.is_cuda)
-                self._buffers[prefix] = buffer
+                buffer = self._buffers[prefix] = torch.empty(state.shape, dtype=state.dtype,
+                                                             device="cpu", pin_memory=state.is_cuda)
             return buffer.copy_(state.detach(), non_blocking=state.is_cuda)
         if isinstance(state, dict):
             return {k: self.copy(v, f"{prefix}/{k}") for k, v in state.items()}

@@ -1,17 +1,15 @@
-"""What makes a resumed run continue exactly: which checkpoint (rank 0 chooses, every rank
-loads the same one), the position inside the epoch, and each rank's random-number state.
+"""What makes a resumed run continue exactly: which checkpoint (rank 0 chooses, every rank loads the
+same one), the position inside the epoch, and each rank's random-number state.
 
-Everything here talks to the other ranks through tensor collectives only. Object collectives
-(`broadcast_object_list`, `all_gather_object`) would unpickle whatever a peer sends, which can run
-code, and they need numpy; tensors need neither.
-"""
+Only tensor collectives here: object collectives (`broadcast_object_list`, `all_gather_object`)
+unpickle whatever a peer sends, which can run code, and need numpy."""
 
 from __future__ import annotations
 
 import random
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +19,9 @@ from ..ema import EMA
 from ..failures import UsageError
 from . import storage
 from .files import is_complete, list_checkpoints, load_checkpoint, read_meta, unreadable
+
+if TYPE_CHECKING:
+    from ..optim import Optimizers
 
 
 # ---------------------------------------------------------------------- which checkpoint
@@ -36,6 +37,9 @@ def pick_checkpoint(resume: str, directory: str) -> storage.AnyPath | None:
                              f"them (the newest is {inside[0]}), or use --resume auto "
                              f"--checkpoint-dir {resume}")
         why = unreadable(path, resuming=True)
+        if why and not path.exists():  # (a local path was checked with the flags)
+            raise UsageError(f"--resume {resume}: {why}; name a checkpoint there, or use "
+                             f"--resume auto --checkpoint-dir URL for the newest in a folder")
         if why:
             raise UsageError(f"--resume {resume}: cannot load it ({why}); pick another checkpoint "
                              "or use --resume auto")
@@ -62,13 +66,12 @@ def check_same_shapes(model_state: dict[str, torch.Tensor], saved: dict[str, Any
             raise UsageError(f"checkpoint {path} does not fit the model: '{key}' is "
                              f"{tuple(saved[key].shape)} there and {tuple(value.shape)} here; "
                              f"{way_out}", everywhere=True)
-    extra = sorted(set(saved) - set(model_state))
-    if extra:
+    if extra := sorted(set(saved) - set(model_state)):
         raise UsageError(f"checkpoint {path} has '{extra[0]}', which the model does not; "
                          f"{way_out}", everywhere=True)
 
 
-def load_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def load_into(path: Path, model: torch.nn.Module, optimizers: Optimizers,
               world_size: int, rank: int, batch_size: int, device: torch.device,
               ema: EMA | None = None) -> dict[str, Any]:
     """Load a checkpoint (file or folder, from any layout) into this rank's model, optimizer and
@@ -78,12 +81,12 @@ def load_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     if path.is_dir():
         meta = read_meta(path)
         extra = {"ema": ema.state_dict()} if ema is not None and meta.get("has_ema") else {}
-        rng = sharded.load(path, model, optimizer, extra)
+        rng = sharded.load(path, model, optimizers, extra)
         saved_ema = extra.get("ema")
     else:
         state = load_checkpoint(path, map_location="cpu")
         check_same_shapes(model.state_dict(), state["model"], path)
-        sharded.set_full_state(model, optimizer, state["model"], state["optimizer"])
+        sharded.set_full_state(model, optimizers, state["model"], state["optimizer"])
         meta, rng, saved_ema = state, state.get("rng"), state.get("ema")
     if ema is not None and saved_ema:
         ema.load_state_dict(saved_ema)
@@ -121,16 +124,14 @@ def restore_position(meta: dict[str, Any], cfg: Config, world_size: int, batches
 
 
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """Settings that differ between a checkpoint's run and this one, as 'key: old -> new'; the
-    task's own settings (under "task") count like the others."""
+    """Settings that differ from the checkpoint's run as 'key: old -> new', the task's included."""
     launch_only = {"resume", "config", "nprocs", "local_rank", "task", "given"}
     saved, now = {**saved, **saved.get("task", {})}, {**now, **now.get("task", {})}
     return [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in now
             if key in saved and key not in launch_only and saved[key] != now[key]]
 
 
-# What a run keeps on disk: a resumed run never deletes what the earlier run kept because a flag
-# was left at its default.
+# A resumed run never deletes what the earlier run kept because a flag was left at its default.
 RETENTION = ("keep_last", "keep_best")
 
 
@@ -166,8 +167,7 @@ def pack_rng_state(device: torch.device) -> torch.Tensor:
 def unpack_rng_state(packed: torch.Tensor, device: torch.device) -> bool:
     """Restore what `pack_rng_state` saved; False if it came from another kind of device."""
     packed = packed.cpu()
-    n_torch = torch.get_rng_state().numel()
-    n_python = (1 + 625 + 1) * 8
+    n_torch, n_python = torch.get_rng_state().numel(), (1 + 625 + 1) * 8
     n_cuda = torch.cuda.get_rng_state(device).numel() if device.type == "cuda" else 0
     if packed.numel() != n_torch + n_python + 8 + n_cuda:
         return False

@@ -15,7 +15,7 @@ import inspect
 import json
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,39 +34,48 @@ from .files import META, checkpoint_path, newest_complete
 from .folder import CheckpointDir
 from .storage import AnyPath, RemotePath
 
+if TYPE_CHECKING:
+    from ..optim import Optimizers
+
 
 def is_sharded(model: nn.Module) -> bool:
     return any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
-def _fqn_optimizer_state(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """A plain optimizer state_dict (parameters numbered in model.parameters() order) with
-    parameter names instead, the form set_state_dict takes."""
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
-    return {"state": {names[i]: s for i, s in state["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
-                             for g in state["param_groups"]]}
+def _fqn_optimizer_state(model: nn.Module, optimizers: Optimizers,
+                         state: dict[str, Any]) -> dict[str, Any]:
+    """A file checkpoint's optimizer state (each optimizer's parameters numbered in its own
+    order) with parameter names instead, merged over the optimizers: what set_state_dict takes."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    merged: dict[str, Any] = {"state": {}, "param_groups": []}
+    for name, optimizer in optimizers.items():
+        own = state if list(optimizers) == ["default"] else state[name]
+        fqns = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        merged["state"].update({fqns[i]: s for i, s in own["state"].items()})
+        merged["param_groups"] += [{**g, "params": [fqns[i] for i in g["params"]]}
+                                   for g in own["param_groups"]]
+    return merged
 
 
-def set_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                   model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
+def set_full_state(model: nn.Module, optimizers: Optimizers, model_state: dict[str, Any],
+                   optimizer_state: dict[str, Any]) -> None:
     """Load a file checkpoint's full (unsharded) state into any layout."""
     if not is_sharded(model):
         model.load_state_dict(model_state)
-        optimizer.load_state_dict(optimizer_state)
+        optimizers.load_state_dict(optimizer_state)
         return
-    set_state_dict(model, optimizer, model_state_dict=model_state,
-                   optim_state_dict=_fqn_optimizer_state(model, optimizer_state),
+    set_state_dict(model, list(optimizers.values()), model_state_dict=model_state,
+                   optim_state_dict=_fqn_optimizer_state(model, optimizers, optimizer_state),
                    options=StateDictOptions(full_state_dict=True))
 
 
-def load(path: AnyPath, model: nn.Module, optimizer: torch.optim.Optimizer,
+def load(path: AnyPath, model: nn.Module, optimizers: Optimizers,
          extra: dict[str, Any] | None = None) -> torch.Tensor | None:
     """Load a checkpoint folder into any layout (every rank); returns the saved random states
     when they fit this world (same number of ranks), else None. `extra`: more state the folder
     holds (e.g. the EMA), loaded in place."""
     meta = json.loads((path / META).read_text())
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, list(optimizers.values()))
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, **(extra or {})}
     if meta["world_size"] == dist.get_world_size():
         state["rng"] = torch.empty(meta["rng_shape"], dtype=torch.uint8)
@@ -74,7 +83,7 @@ def load(path: AnyPath, model: nn.Module, optimizer: torch.optim.Optimizer,
         dcp.load(state, checkpoint_id=str(path))
     except CheckpointException as exc:  # a BaseException: made an Exception its callers catch
         raise RuntimeError(_why(exc)) from exc
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
+    set_state_dict(model, list(optimizers.values()), model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     return state.get("rng")
 
@@ -92,7 +101,7 @@ class ShardedCheckpoints:
         self._group: Any = None
         self._stager: Any = None
 
-    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, rng: torch.Tensor,
+    def save(self, model: nn.Module, optimizers: Optimizers, rng: torch.Tensor,
              meta: dict[str, Any], step: int, prepare: Callable[[], None],
              extra: dict[str, Any] | None = None) -> None:
         final = checkpoint_path(self.directory, step, sharded=True)
@@ -101,7 +110,7 @@ class ShardedCheckpoints:
         meta = {**meta, "rng_shape": list(rng.shape)}
         self.wait()  # at most one save in flight
         agree(prepare, self.comm_device)
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, list(optimizers.values()))
         state = {"model": model_state, "optimizer": optimizer_state, "rng": rng, **(extra or {})}
 
         def commit() -> None:  # rank 0, after every rank's shards and DCP's metadata are written

@@ -41,13 +41,11 @@ def url_problem(value: str) -> str | None:
         return None if parts.netloc in ("", "localhost") else (
             "file:// URLs take three slashes (file:///abs/path); or give a plain path")
     import fsspec
-
     if parts.scheme not in fsspec.available_protocols():
         return f"unknown storage scheme {parts.scheme}://; use s3://, gs://, az:// or a path"
     if not parts.netloc:
         return f"no bucket: write {parts.scheme}://BUCKET/PREFIX"
-    package = INSTALL.get(parts.scheme)
-    if package:
+    if package := INSTALL.get(parts.scheme):
         try:
             importlib.import_module(package)
         except ImportError:
@@ -79,8 +77,7 @@ def location(value: str | Path | RemotePath) -> Path | RemotePath:
 
 def given(value: str) -> AnyPath:
     """`location` of a path or URL a user typed; a URL that cannot work is one UsageError."""
-    why = url_problem(value)
-    if why:
+    if why := url_problem(value):
         raise UsageError(f"{redact(value)}: {why}")
     return location(value)
 
@@ -93,7 +90,6 @@ def shown(value: str) -> str:
 def filesystem(url: str) -> Any:
     """The fsspec filesystem for `url`; one line saying what to install when it is missing."""
     import fsspec
-
     scheme = url.split("://", 1)[0]
     kwargs: dict[str, Any] = {"use_listings_cache": False}  # other ranks write here too
     if INSTALL.get(scheme) == "s3fs":
@@ -110,8 +106,7 @@ class RemotePath:
     """The `pathlib.Path` operations checkpoints use, on an fsspec filesystem."""
 
     def __init__(self, url: str, fs: Any = None) -> None:
-        self.url = url.rstrip("/")
-        self.fs = fs if fs is not None else filesystem(url)
+        self.url, self.fs = url.rstrip("/"), fs if fs is not None else filesystem(url)
         self.key = self.url.split("://", 1)[1]
 
     def __str__(self) -> str:
@@ -169,8 +164,7 @@ class RemotePath:
         """Seconds since the newest object under this path was written."""
         times = [info.get("LastModified") or info.get("mtime") or info.get("last_modified")
                  for info in self.fs.find(self.key, detail=True).values()] or [None]
-        newest = max((t.timestamp() if hasattr(t, "timestamp") else float(t or 0))
-                     for t in times)
+        newest = max(t.timestamp() if hasattr(t, "timestamp") else float(t or 0) for t in times)
         return time.time() - newest if newest else 0.0
 
 
@@ -200,8 +194,7 @@ def move(source: AnyPath, target: AnyPath) -> None:
 
 
 def upload(local: Path, target: RemotePath, newest: str, timeout_s: float) -> None:
-    """Put one file at `target`, trying UPLOAD_TRIES times, each within `timeout_s`; the error
-    that stops the run names `newest`, the newest complete checkpoint."""
+    """Put a file at `target`, each try within `timeout_s`; the final error names `newest`."""
     for attempt in range(1, UPLOAD_TRIES + 1):
         failure = within(lambda: target.fs.put_file(str(local), target.key), timeout_s)
         if failure is None:
@@ -270,12 +263,10 @@ def reason(exc: BaseException) -> str:
 
 def diagnosis(url: str, exc: BaseException) -> str:
     """`reason(exc)` as the cause a user can fix: bucket, credentials, permissions, network."""
-    why = reason(exc)
-    names = {type(e).__name__ for e in _chain(exc)}
+    why, names = reason(exc), {type(e).__name__ for e in _chain(exc)}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    bucket = urlsplit(url).netloc
     if "NoSuchBucket" in why:
-        return f"no such bucket '{bucket}' ({why}); create it, or fix the URL"
+        return f"no such bucket '{urlsplit(url).netloc}' ({why}); create it, or fix the URL"
     if names & {"NoCredentialsError", "PartialCredentialsError"}:
         return ("no credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or "
                 "AWS_PROFILE, or run where an instance or pod role gives them")
@@ -292,4 +283,3 @@ def diagnosis(url: str, exc: BaseException) -> str:
         where = f"the endpoint {endpoint}" if endpoint else "the storage endpoint"
         return f"cannot reach {where} ({why}); check AWS_ENDPOINT_URL and the network"
     return why
-

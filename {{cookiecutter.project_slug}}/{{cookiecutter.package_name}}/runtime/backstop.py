@@ -1,30 +1,26 @@
 """The backstop: a small watchdog process beside every training process, for when Python cannot act.
 
-The lifeline (lifeline.py) is a Python thread: it needs the interpreter lock. A C call that holds
-the lock (a FileStore spinning on a garbage file, a stuck extension) or a main thread that never
-comes back from the C++ side silences it, and then neither deadlines nor SIGTERM work. So each
-training process starts this file as a plain Python process (no torch, a few MB) that:
+The lifeline (lifeline.py) is a Python thread and needs the interpreter lock: a C call that holds it
+(a FileStore spinning on a garbage file, a stuck extension) or a main thread that never comes back
+from C++ silences it, and then neither deadlines nor SIGTERM work. So each training process starts
+this file as a plain Python process (no torch, a few MB) that:
 
-- receives every stop signal first: the training process's C-level signal handler writes the
-  signal number to a socket (`signal.set_wakeup_fd`), which needs no interpreter lock. The
-  watchdog passes it back to the lifeline thread and, for SIGTERM and SIGINT, starts a clock: a
-  process that is starting is ended STOP_GRACE_S later; one that is training gets up to
-  STOP_SAVE_S to reach its next log step, where the ranks agree to stop, save and leave. Half a
-  second after a second such signal it is ended in any case. (SLURM's SIGUSR1 is an early
-  warning: the loop stops at its next log step, and no clock starts.)
+- receives every stop signal first: the training process's C-level signal handler writes its number
+  to a socket (`signal.set_wakeup_fd`), which needs no interpreter lock. The watchdog passes it back
+  to the lifeline thread and, for SIGTERM and SIGINT, starts the clock that ends the process:
+  STOP_GRACE_S if it is starting, STOP_SAVE_S if training (to reach its next log step and save),
+  half a second after a second such signal. (SLURM's SIGUSR1 only warns: no clock.)
 - keeps a copy of the lifeline's deadline, a few seconds later than the lifeline's own. If it
   passes, it prints one `error:` line naming the phase, has the process write its threads' stacks
-  (faulthandler, which needs no interpreter lock either) into the run's output folder, and
-  SIGKILLs it.
-- watches the launcher (torchrun's agent, the mp.spawn parent, srun's step daemon). A process
-  whose launcher is gone is stopped as if it had been sent SIGTERM.
+  (faulthandler, which needs no interpreter lock either) into the output folder, and SIGKILLs it.
+- watches the launcher (torchrun's agent, the mp.spawn parent, srun's step daemon): a process whose
+  launcher is gone is stopped as if by SIGTERM.
 - ends itself when the training process ends (its end of the command pipe closes).
 
-Both may decide to end the process at once (a signal can wake a stuck call): the one that takes
-the single byte of a shared pipe first prints the `error:` line, so the user sees one.
+Both may decide to end the process at once (a signal can wake a stuck call): the one that first
+takes the single byte of a shared pipe prints the `error:` line, so the user sees one.
 
-Only this file's standard-library imports run in the watchdog: it is started by path, with `-I -S`.
-"""
+The watchdog runs only this file's standard-library imports: it is started by path, with `-I -S`."""
 
 from __future__ import annotations
 
@@ -53,16 +49,14 @@ class Backstop:
     def __init__(self, rank: int, stacks_path: Path, launcher_pid: int = 0) -> None:
         self.rank, self.stacks_path, self.launcher_pid = rank, stacks_path, launcher_pid
         self.signals: socket.socket | None = None  # the wakeup fd; signals come back on it
-        self._commands = self._token = -1
-        self._stacks_file = None
+        self._commands, self._token, self._stacks_file = -1, -1, None
         self._proc: subprocess.Popen | None = None
 
     def start(self) -> Backstop | None:
         """Start the watchdog; None where it cannot run (Windows), and the lifeline goes alone."""
         if not SUPPORTED:
             return None
-        commands_r, commands_w = os.pipe()
-        stacks_r, stacks_w = os.pipe()
+        (commands_r, commands_w), (stacks_r, stacks_w) = os.pipe(), os.pipe()
         token_r, token_w = os.pipe()
         os.write(token_w, b"x")
         os.close(token_w)
@@ -129,8 +123,7 @@ def _take(token: int) -> bool:
 def _parent_of(pid: int) -> int:
     """The parent pid of `pid` (Linux: /proc), or -1 when unknown."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[1])
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return -1
 
@@ -138,8 +131,7 @@ def _parent_of(pid: int) -> int:
 def _launcher_gone(worker: int, launcher: int) -> bool:
     if launcher <= 0:
         return False
-    parent = _parent_of(worker)
-    if parent != -1:
+    if (parent := _parent_of(worker)) != -1:
         return parent != launcher
     try:
         os.kill(launcher, 0)
@@ -155,9 +147,7 @@ class Watchdog:
                  signals: socket.socket, token: int, stacks_path: Path) -> None:
         self.worker, self.launcher, self.rank = worker, launcher, rank
         self.commands, self.stacks, self.signals, self.token = commands, stacks, signals, token
-        self.stacks_path = stacks_path
-        self.phase = "start-up"
-        self.hint = "nothing was saved"
+        self.stacks_path, self.phase, self.hint = stacks_path, "start-up", "nothing was saved"
         self.deadline: tuple[float, str, str] | None = None  # (when, phase, what)
         self.stop: tuple[float, str] | None = None  # (when the first stop signal came, its name)
         self.kill_at = float("inf")
@@ -176,8 +166,7 @@ class Watchdog:
             self._check_clocks()
 
     def _read_commands(self) -> bool:
-        data = os.read(self.commands, 4096)
-        if not data:
+        if not (data := os.read(self.commands, 4096)):
             return False
         self._buffer += data
         *lines, self._buffer = self._buffer.split(b"\n")
@@ -254,8 +243,7 @@ class Watchdog:
         while time.monotonic() < until:
             ready, _, _ = select.select([self.stacks], [], [], 0.2)
             if ready:
-                data = os.read(self.stacks, 65536)
-                if not data:
+                if not (data := os.read(self.stacks, 65536)):
                     break
                 chunks.append(data)
             elif chunks:

@@ -1,15 +1,13 @@
-"""--comm-hook: how DDP exchanges gradients. `none` is DDP's own all-reduce in the gradients'
-dtype; `fp16` and `bf16` halve the bytes sent (the gradients are cast, summed, and cast back);
-`powersgd` sends a low-rank approximation of each weight matrix's gradient (PowerSGD, with error
-feedback) after --powersgd-warmup-steps steps of plain all-reduce.
+"""--comm-hook: how DDP exchanges gradients. `none` is DDP's own all-reduce in the gradients' dtype;
+`fp16` and `bf16` halve the bytes sent (the gradients are cast, summed, and cast back); `powersgd`
+sends a low-rank approximation of each weight matrix's gradient (PowerSGD, with error feedback)
+after --powersgd-warmup-steps steps of plain all-reduce.
 
-PowerSGD keeps state between steps (each rank's error feedback and the shared low-rank factors),
-and it goes into every checkpoint, so a resumed run continues bit for bit. Torch keys that state
-by DDP's gradient bucket, and a new DDP's first step puts every parameter in one bucket before it
-settles on its real buckets; so it is saved per parameter and cut into whatever buckets DDP uses,
-and in a resumed run's first step the one bucket is compressed as the saved run's buckets, one by
-one (the same computation, rounded the same way).
-"""
+PowerSGD's state (each rank's error feedback, the shared low-rank factors) goes into every
+checkpoint: a resumed run continues bit for bit. Torch keys it by DDP's bucket, and a new DDP's
+first step puts every parameter in one bucket before it settles on its real ones; so it is saved per
+parameter and cut into whatever buckets DDP uses, and a resumed run's first step compresses the one
+bucket as the saved run's buckets, one by one (the same computation, rounded the same way)."""
 
 from __future__ import annotations
 
@@ -41,11 +39,9 @@ def register_comm_hook(model: nn.Module, cfg: Config) -> PowerSGD | None:
     ddp = getattr(model, "_orig_mod", model)  # inside torch.compile
     if cfg.comm_hook == "none" or not isinstance(ddp, DDP):
         return None
-    if cfg.comm_hook == "fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        return None
-    if cfg.comm_hook == "bf16":
-        ddp.register_comm_hook(None, bf16_compress)
+    if cfg.comm_hook in ("fp16", "bf16"):
+        hook = default_hooks.fp16_compress_hook if cfg.comm_hook == "fp16" else bf16_compress
+        ddp.register_comm_hook(None, hook)
         return None
     if importlib.util.find_spec("numpy") is None:
         raise UsageError("--comm-hook powersgd needs numpy (torch's PowerSGD draws its random "
@@ -60,7 +56,6 @@ class PowerSGD:
 
     def __init__(self, ddp: DDP, rank: int, warmup_steps: int) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
         self.torch_hook = powerSGD_hook
         # Error feedback and warm start on (torch's defaults); the warm-up must be at least 2
         # steps, so that DDP's first step (one bucket of everything) is a plain all-reduce.
@@ -103,13 +98,11 @@ class PowerSGD:
 
     # ------------------------------------------------------------ per bucket <-> per parameter
     def _fit_state_to(self, key: int, params: tuple[int, ...], buffer: torch.Tensor) -> None:
-        """Make the state of bucket `key` that of its parameters `params`: after DDP changed
-        its buckets, or after a checkpoint was loaded."""
+        """Give bucket `key` the state of its `params` (DDP rebucketed, or a checkpoint loaded)."""
         if self.layout.get(key) == params:
             return
         if key in self.layout or any(self.owner.get(i, key) != key for i in params):
-            # DDP changed its buckets: the state goes back to the parameters, then into the
-            # new buckets as they come.
+            # DDP rebucketed: state goes to the parameters, then into each new bucket as it comes.
             self.pending.update(self._per_parameter())
             for kept in (self.state.error_dict, self.state.p_memory_dict,
                          self.state.q_memory_dict, self.layout, self.owner):
@@ -120,22 +113,19 @@ class PowerSGD:
             self._materialize(key, params, buffer)
 
     def _saved_buckets_in(self, params: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
-        """The loaded run's buckets (index, parameters) that this bucket holds several of, or is
-        in another order; none if it is one of them or cuts across them. (A resumed run's first
-        step: DDP starts with one bucket of everything and settles on its real ones after it.)"""
+        """The loaded run's buckets (index, parameters) this bucket holds several of, or in another
+        order; none if it is one of them or cuts across them (a resumed run's first step)."""
         if not self.saved_layout or self.state.iter < self.state.start_powerSGD_iter:
             return []
-        members = set(params)
-        inside = sorted((k, ps) for k, ps in self.saved_layout.items() if set(ps) <= members)
+        inside = sorted((k, ps) for k, ps in self.saved_layout.items() if set(ps) <= set(params))
         if params in (ps for _, ps in inside) or sum(len(ps) for _, ps in inside) != len(params):
             return []
         return inside
 
     def _as_saved_buckets(self, saved: list[tuple[int, tuple[int, ...]]],
                           params: tuple[int, ...], bucket) -> torch.futures.Future:
-        """PowerSGD on this bucket's gradients cut into the loaded run's buckets `saved`, one
-        after the other, each in a buffer of its own laid out as that run's bucket was: the same
-        computation, rounded the same way, as in the run that saved the checkpoint."""
+        """PowerSGD on this bucket's gradients cut into the loaded run's buckets `saved`, one by
+        one, each in a buffer laid out as in that run: the same computation as there."""
         grads = dict(zip(params, bucket.gradients(), strict=True))
         for key, members in saved:
             piece = SavedBucket(key, len(self.saved_layout), [grads[i] for i in members])
@@ -155,8 +145,7 @@ class PowerSGD:
             n = self.params[i].shape[0]  # the hook views each gradient as (rows, rest)
             m = self.params[i].numel() // n
             r = min(n, m, self.state.matrix_approximation_rank)
-            # PowerSGDState's documented rule: compressed when it shrinks by more than
-            # min_compression_rate.
+            # PowerSGDState's rule: compressed when that shrinks it more than min_compression_rate.
             if (n + m) * r * self.state.min_compression_rate < n * m:
                 by_shape[(n, m)].append((i, n, r))
         return [matrix for matrices in by_shape.values() for matrix in matrices]
@@ -165,8 +154,7 @@ class PowerSGD:
         """The state of every bucket cut into the parameters' pieces."""
         out: dict[int, dict[str, torch.Tensor]] = {}
         for key, params in self.layout.items():
-            error, q = self.state.error_dict.get(key), self.state.q_memory_dict.get(key)
-            offset = 0
+            error, q, offset = self.state.error_dict.get(key), self.state.q_memory_dict.get(key), 0
             for i in params:
                 n = self.params[i].numel()
                 out[i] = {} if error is None else {"error": error[offset:offset + n].clone()}
@@ -196,9 +184,8 @@ class PowerSGD:
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self, comm_device: torch.device) -> dict[str, Any] | None:
-        """Every rank's state, gathered on rank 0 (a collective: every rank calls it), as tensors
-        and plain types; None on the other ranks. Error feedback is each rank's own: a
-        checkpoint holds world size x the gradients."""
+        """Every rank's state on rank 0 (a collective), as tensors and plain types; None elsewhere.
+        Error feedback is per rank: a checkpoint holds world size x the gradients."""
         pieces = {**self.pending, **self._per_parameter()}
         names = sorted((i, kind) for i, piece in pieces.items() for kind in piece)
         mine = (torch.cat([pieces[i][kind] for i, kind in names]).to(comm_device) if names
@@ -210,8 +197,7 @@ class PowerSGD:
         if not main:
             return None
         _, keys, pos, has_gauss, gauss = self.state.rng.get_state()
-        return {"iter": self.state.iter,
-                "rank": self.state.matrix_approximation_rank,
+        return {"iter": self.state.iter, "rank": self.state.matrix_approximation_rank,
                 "layout": [[key, list(params)] for key, params in sorted(self.layout.items())],
                 "rng": [torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss),
                         float(gauss)],
@@ -219,21 +205,18 @@ class PowerSGD:
                 "values": torch.stack([g.cpu() for g in gathered])}
 
     def load_state_dict(self, saved: dict[str, Any], rank: int, world_size: int) -> str | None:
-        """This rank's part of a checkpoint's state; returns a note where some of it cannot be
-        used: from another world size (the error feedback is other ranks'), or another
-        --powersgd-rank (the factors have another shape)."""
+        """This rank's part of a checkpoint's state; a note where some is unusable: another world
+        size (other ranks' error feedback) or --powersgd-rank (factors of another shape)."""
         if saved["values"].shape[0] != world_size:
             return (f"PowerSGD starts afresh: the checkpoint's state is of "
                     f"{saved['values'].shape[0]} processes")
         import numpy as np
-
         keys, pos, has_gauss, gauss = saved["rng"]
         self.state.rng.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss,
                                   gauss))
         self.state.iter = saved["iter"]
         same_rank = saved["rank"] == self.state.matrix_approximation_rank
-        values, offset = saved["values"][rank], 0
-        self.pending = {}
+        values, offset, self.pending = saved["values"][rank], 0, {}
         for i, kind, n in saved["pieces"]:
             if kind == "error" or same_rank:
                 self.pending.setdefault(i, {})[kind] = values[offset:offset + n].clone()
@@ -245,10 +228,8 @@ class PowerSGD:
                      self.layout, self.owner):
             kept.clear()
         self._steps_checked = 0
-        if not same_rank:
-            return (f"PowerSGD keeps its error feedback and starts new factors: the checkpoint "
-                    f"used --powersgd-rank {saved['rank']}")
-        return None
+        return None if same_rank else ("PowerSGD keeps its error feedback and starts new factors: "
+                                       f"the checkpoint used --powersgd-rank {saved['rank']}")
 
 
 class SavedBucket:
@@ -258,9 +239,8 @@ class SavedBucket:
     def __init__(self, index: int, count: int, grads: list[torch.Tensor]) -> None:
         self._index, self._count = index, count
         self._buffer = torch.cat([g.reshape(-1) for g in grads])
-        sizes = [g.numel() for g in grads]
-        self._grads = [part.view_as(g) for part, g in zip(self._buffer.split(sizes), grads,
-                                                         strict=True)]
+        self._grads = [part.view_as(g) for part, g in
+                       zip(self._buffer.split([g.numel() for g in grads]), grads, strict=True)]
 
     def index(self) -> int:
         return self._index

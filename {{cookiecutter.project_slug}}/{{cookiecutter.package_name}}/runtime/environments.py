@@ -1,9 +1,7 @@
 """Who am I in the job? One small class per launcher turns its environment variables into a World.
 
-`resolve_world` asks each class in ENVIRONMENTS, in order, whether it recognises the environment.
-To support another cluster, write a class with `detect` and `world` (see `Environment`) and add it
-to the tuple.
-"""
+`resolve_world` asks each class in ENVIRONMENTS, in order, whether it recognises the environment;
+for another cluster, add a class with `detect` and `world` (see `Environment`) to the tuple."""
 
 from __future__ import annotations
 
@@ -65,8 +63,7 @@ def _check_ranks(rank: int, local_rank: int, world_size: int, source: str) -> No
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (the OS picks it), so two jobs on one machine don't
-    collide."""
+    """A free port (the OS picks it), so two jobs on one machine don't collide."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -104,26 +101,20 @@ class TorchrunEnvironment:
         # A fixed torchrun --rdzv-id repeats across launches; the restart count and the port do not.
         run_id = "-".join(env.get(name, "0") for name in
                           ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT"))
-        return World(
-            rank=rank,
-            local_rank=local_rank,
-            world_size=world_size,
-            local_world_size=local_world_size,
-            launcher="launch" if local_rank_flag is not None else "torchrun",
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
-            run_id=run_id,
-        )
+        return World(rank=rank, local_rank=local_rank, world_size=world_size,
+                     local_world_size=local_world_size,
+                     launcher="launch" if local_rank_flag is not None else "torchrun",
+                     master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                     master_port=_int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
+                     run_id=run_id)
 
 
 class KubeflowEnvironment:
-    """A Kubeflow PyTorchJob pod running `python train.py` itself (no torchrun in the pod).
-
-    The operator sets MASTER_ADDR, MASTER_PORT, WORLD_SIZE (pods) and RANK (this pod) but no
+    """A Kubeflow PyTorchJob pod running `python train.py` itself (no torchrun in the pod). The
+    operator sets MASTER_ADDR, MASTER_PORT, WORLD_SIZE (pods) and RANK (this pod) but no
     LOCAL_RANK: each pod is one process. With torchrun in the pod
     {%- if cookiecutter.kubernetes %} (what k8s/ does){% endif %}, torchrun's own
-    variables are set and TorchrunEnvironment applies instead.
-    """
+    variables are set and TorchrunEnvironment applies instead."""
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
@@ -141,23 +132,18 @@ class KubeflowEnvironment:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand SLURM's compressed host list: 'node[01-03,07],gpu1' -> node01 node02 node03 node07
-    gpu1."""
+    """SLURM's compressed host list: 'node[01-03,07],gpu1' -> node01 node02 node03 node07 gpu1."""
     hosts: list[str] = []
-    # Split on commas that are not inside brackets.
-    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", nodelist):
-        match = re.match(r"^(.*?)\[([^\]]*)\](.*)$", item)
-        if not match:
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", nodelist):  # commas outside brackets
+        if not (match := re.match(r"^(.*?)\[([^\]]*)\](.*)$", item)):
             hosts.append(item)
             continue
         prefix, ranges, suffix = match.groups()
         for part in ranges.split(","):
             lo, _, hi = part.partition("-")
-            if hi:
-                for n in range(int(lo), int(hi) + 1):
-                    hosts.extend(expand_nodelist(f"{prefix}{n:0{len(lo)}d}{suffix}"))
-            else:
-                hosts.extend(expand_nodelist(f"{prefix}{lo}{suffix}"))
+            numbers = [f"{n:0{len(lo)}d}" for n in range(int(lo), int(hi) + 1)] if hi else [lo]
+            for number in numbers:
+                hosts.extend(expand_nodelist(f"{prefix}{number}{suffix}"))
     return hosts
 
 
@@ -171,11 +157,9 @@ def expand_tasks_per_node(text: str) -> list[int]:
 
 
 class SlurmEnvironment:
-    """`srun python train.py`: one task per device, ranks from SLURM's variables.
-
-    Counts come from the job *step* (SLURM_STEP_*) where srun sets them, so a step started on
-    fewer nodes than the allocation (`srun -N1 ...` inside a 5-node job) is its own world.
-    """
+    """`srun python train.py`: one task per device, ranks from SLURM's variables. Counts come from
+    the job *step* (SLURM_STEP_*) where srun sets them, so a step started on fewer nodes than the
+    allocation (`srun -N1 ...` inside a 5-node job) is its own world."""
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
@@ -198,17 +182,11 @@ class SlurmEnvironment:
         job_id = env.get("SLURM_JOB_ID", "0")
         # A port derived from the job id: two jobs sharing a node do not pick the same one.
         port = _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else 15000 + int(job_id) % 20000
-        world = World(
-            rank=rank,
-            local_rank=local_rank,
-            world_size=world_size,
-            local_world_size=local_world_size,
-            launcher="slurm",
-            master_addr=env.get("MASTER_ADDR") or expand_nodelist(nodelist)[0],
-            master_port=port,
-            run_id=f"slurm-{job_id}.{env.get('SLURM_STEP_ID', '0')}-"
-                   f"{env.get('SLURM_RESTART_COUNT', '0')}",
-        )
+        world = World(rank=rank, local_rank=local_rank, world_size=world_size,
+                      local_world_size=local_world_size, launcher="slurm",
+                      master_addr=env.get("MASTER_ADDR") or expand_nodelist(nodelist)[0],
+                      master_port=port, run_id=f"slurm-{job_id}.{env.get('SLURM_STEP_ID', '0')}-"
+                                               f"{env.get('SLURM_RESTART_COUNT', '0')}")
         if not check:
             return world
         if world_size > 1 and not in_step:
@@ -239,7 +217,8 @@ class SingleProcessEnvironment:
             # every pod would train alone, all into the same checkpoints.
             raise UsageError(f"PET_NNODES={env['PET_NNODES']} is set (a Kubeflow Trainer v2 pod) "
                              "but no launcher started this process; run train.py through "
-                             "torchrun, which reads the PET_* variables (see k8s/trainjob.yaml)")
+                             "torchrun, which reads the PET_* variables (as Kubeflow's "
+                             "torch-distributed runtime does)")
         port = _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else find_free_port()
         return World(0, 0, 1, 1, "none", env.get("MASTER_ADDR", "127.0.0.1"), port,
                      f"single-{uuid.uuid4().hex[:8]}")
@@ -252,9 +231,7 @@ ENVIRONMENTS: tuple[type[Environment], ...] = (
 def resolve_world(env: Mapping[str, str] | None = None, local_rank_flag: int | None = None,
                   check: bool = True) -> World:
     """The World of this process, from the first environment class that recognises `env`.
-
-    `check=False` skips the consistency checks (the doctor prints what it found even when they
-    fail)."""
+    `check=False` skips the consistency checks: the doctor shows what it finds even if they fail."""
     env = os.environ if env is None else env
     for environment in ENVIRONMENTS:
         if environment.detect(env):

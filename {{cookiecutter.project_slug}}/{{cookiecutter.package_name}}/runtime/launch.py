@@ -1,6 +1,5 @@
-"""How a process joins its run and leaves it: the one set-up that training, the doctor and every
-other entry point share (`joined`), and the processes `--nprocs N` starts when no launcher did
-(`start`)."""
+"""How a process joins its run and leaves it: the set-up training, the doctor and every other entry
+point share (`joined`), and the processes `--nprocs N` starts when no launcher did (`start`)."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ Work = Callable[[Config, World, str, list[torch.device], Lifeline], dict]
 
 
 def rendezvous_dir(cfg: Config) -> Path:
-    """Where `--init-method file` keeps its store file: under the output dir, which multi-node
-    runs share."""
+    """Where --init-method file keeps its store: the output dir, which multi-node runs share."""
     return Path(cfg.output_dir) / "rendezvous"
 
 
@@ -66,8 +64,7 @@ def launcher_pid(world: World) -> int:
 
 @dataclass
 class Setup:
-    """What a process works out before it joins its group, and (while joined) its lifeline and
-    the job's key-value store."""
+    """What a process works out before it joins its group; while joined, its lifeline and store."""
 
     backend: str
     devices: list[torch.device]
@@ -83,9 +80,8 @@ def resolve(cfg: Config, world: World) -> Setup:
     when it starts (NCCL's settings, the network interface) set; no process group yet."""
     cuda_count = torch.cuda.device_count()
     backend = resolve_backend(cfg.backend, cuda_count, dist.is_nccl_available())
-    devices = assign_devices(world.local_rank, world.local_world_size, cuda_count,
-                             cfg.model_layout, cfg.stage_devices,
-                             os.environ.get("CUDA_VISIBLE_DEVICES"))
+    devices = assign_devices(world.local_rank, world.local_world_size, cuda_count, cfg.model_layout,
+                             cfg.stage_devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     rdzv = resolve_rendezvous(cfg.init_method, world, rendezvous_dir(cfg))
     if backend == "nccl":
         os.environ.update(nccl_env(cfg.output_dir, os.environ))
@@ -179,8 +175,7 @@ def run_and_report(cfg: Config, world: World, work: Work) -> int:
 
 
 def start(cfg: Config, work: Work) -> int:
-    """`work` in every process of the run: this one (under a launcher, or alone), or the
-    `--nprocs` processes started here. Returns this process's exit code."""
+    """Run `work` here (launched or alone) or in `--nprocs` new processes; returns the exit code."""
     try:
         world = resolve_world(local_rank_flag=cfg.local_rank)
         if cfg.nprocs > 1:
@@ -195,24 +190,19 @@ def start(cfg: Config, work: Work) -> int:
     return run_and_report(cfg, world, work)
 
 
-def _spawn_worker(index: int, cfg: Config, nprocs: int, port: int, run_id: str,
-                  work: Work) -> None:
-    world = World(rank=index, local_rank=index, world_size=nprocs, local_world_size=nprocs,
-                  launcher="spawn", master_addr="127.0.0.1", master_port=port, run_id=run_id)
+def _spawn_worker(index: int, cfg: Config, nprocs: int, port: int, run_id: str, work: Work) -> None:
+    world = World(index, index, nprocs, nprocs, "spawn", "127.0.0.1", port, run_id)
     exit_process(run_and_report(cfg, world, work))
 
 
 def spawn(cfg: Config, work: Work) -> int:
-    """Start `cfg.nprocs` processes on this machine. A free port is picked here, so parallel runs
-    don't collide; if one child fails, the others are stopped and the run exits non-zero."""
-    port = find_free_port()
-    run_id = f"spawn-{uuid.uuid4().hex[:8]}"
+    """Start `cfg.nprocs` processes here, on a free port (parallel runs don't collide)."""
+    port, run_id = find_free_port(), f"spawn-{uuid.uuid4().hex[:8]}"
     # Check --init-method once here (a stale file, a bad URL) rather than once per child.
     resolve_rendezvous(cfg.init_method, World(0, 0, cfg.nprocs, cfg.nprocs, "spawn", "127.0.0.1",
                                               port, run_id), rendezvous_dir(cfg))
     context = mp.start_processes(_spawn_worker, args=(cfg, cfg.nprocs, port, run_id, work),
                                  nprocs=cfg.nprocs, join=False, start_method="spawn")
-
     stop: list[int] = []
 
     def forward(signum: int, frame: Any) -> None:  # the workers stop, save and exit themselves
@@ -230,9 +220,8 @@ def spawn(cfg: Config, work: Work) -> int:
 
 
 def _wait_for_workers(processes: list, stop: list[int]) -> int:
-    """Wait for every worker. One that fails stops the others (not torch's `join`, which would
-    also stop the workers of a stopped run while they save); a stopped run exits as a worker
-    did: 128 + the signal."""
+    """Wait for every worker. One that fails stops the others (torch's `join` would also stop a
+    stopped run's workers as they save); a stopped run exits as a worker did: 128 + the signal."""
     waiting = {process.sentinel: index for index, process in enumerate(processes)}
     while waiting:
         for sentinel in mp_connection.wait(list(waiting)):
@@ -249,8 +238,7 @@ def _wait_for_workers(processes: list, stop: list[int]) -> int:
             how = (f"was killed by {signal.Signals(-code).name}" if code < 0
                    else f"exited with code {code}")
             if code != 1:  # exit code 1: a worker that printed its own `error:` line
-                report_error(RunFailure(f"worker {index} {how}; the other workers were "
-                                        "stopped"))
+                report_error(RunFailure(f"worker {index} {how}; the other workers were stopped"))
             for process in processes:
                 process.join()
             return 1

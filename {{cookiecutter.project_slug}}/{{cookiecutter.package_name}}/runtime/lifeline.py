@@ -1,24 +1,19 @@
 """What ends a training process that would otherwise hang or die without a word.
 
-The main thread spends its waits inside PyTorch's C++ code (connecting to the store, the
-rendezvous, collectives), where neither Python's signal handlers nor timeouts of its own can reach
-it. So one watcher thread per process does two jobs:
+The main thread waits inside PyTorch's C++ code (store, rendezvous, collectives), out of reach of
+Python's signal handlers and of timeouts of its own. One watcher thread per process does two jobs:
 
-- waits: `with lifeline.waiting("the other ranks to join", hint):` arms a deadline of
-  --timeout-s (plus a small margin, so PyTorch's own timeout, when there is one, speaks first). If
-  the block has not finished by then, the thread prints one `error:` line saying what this rank
-  waited for and what to do, and ends the process.
+- waits: `with lifeline.waiting("the other ranks to join", hint):` arms a deadline of --timeout-s
+  plus a small margin (so PyTorch's own timeout, if any, speaks first). A block not finished by then
+  ends the process with one `error:` line: what this rank waited for, and what to do.
 - stop signals (SIGTERM from torchrun, SLURM or Kubernetes, SLURM's SIGUSR1, Ctrl-C): during
-  start-up there is nothing to save, so the process ends at once with a line that says so; during
-  training the loop is asked to stop at its next log step, where the ranks agree, save and exit.
-  A second Ctrl-C ends the process at once.
+  start-up there is nothing to save, so the process ends at once, saying so; in training the loop
+  stops at its next log step, where the ranks agree, save and exit. A second Ctrl-C ends it at once.
 
-The thread needs the interpreter lock. When a C call holds it, the backstop (backstop.py), a
-watchdog process that gets every signal and deadline too, ends the process instead.
-
-The terminal is kept for these lines and the process's own: torch's C++ messages go to a log file
-(`keep_torch_messages_in`).
-"""
+The thread needs the interpreter lock: when a C call holds it, the backstop (backstop.py), a
+watchdog process that gets every signal and deadline too, ends the process instead. The terminal is
+kept for these lines and the process's own (`keep_torch_messages_in`): torch's C++ messages go to a
+log file."""
 
 from __future__ import annotations
 
@@ -43,10 +38,9 @@ def terminal_fd() -> int:
 
 
 def keep_torch_messages_in(path: Path) -> None:
-    """Send what torch's C++ code writes to stderr to `path`: a store that cannot be reached
-    retries with 30 lines of C++ stack frames each time, sockets warn about host names. This
-    process's own lines (Python's sys.stderr) keep the terminal. Skipped when TORCH_CPP_LOG_LEVEL
-    is set: whoever sets it wants to read them."""
+    """Send what torch's C++ code writes to stderr to `path` (an unreachable store retries with 30
+    lines of C++ stack frames each time; sockets warn about host names); Python's sys.stderr keeps
+    the terminal. Skipped if TORCH_CPP_LOG_LEVEL is set: whoever sets it wants to read them."""
     global _terminal_fd
     if "TORCH_CPP_LOG_LEVEL" in os.environ or _terminal_fd != 2:
         return
@@ -66,8 +60,7 @@ def keep_torch_messages_in(path: Path) -> None:
 
 STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT] + (
     [signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
-# A second one of these ends the process at once (SIGUSR1 is SLURM's early warning).
-ENDING = (signal.SIGTERM, signal.SIGINT)
+ENDING = (signal.SIGTERM, signal.SIGINT)  # a second one ends it at once (SIGUSR1 only warns)
 
 
 def _say(text: str) -> None:
@@ -85,8 +78,7 @@ class Lifeline:
         self.stop_signal: int | None = None
         self.cleanups: list[Callable[[], None]] = []  # run before the process is ended here
         self._first_signal_at = 0.0
-        # deadline (--timeout-s plus a margin), what, hint, the timeout
-        self._wait: tuple[float, str, str, float] | None = None
+        self._wait: tuple[float, str, str, float] | None = None  # deadline, what, hint, timeout
         self._lock = threading.Lock()
         self._reader, self._writer = socket.socketpair()
         self._handlers: dict[int, object] = {}
@@ -190,8 +182,7 @@ class Lifeline:
                           f"{what}; {hint}", 1)
 
     def _on_signal(self, signum: int) -> None:
-        name = signal.Signals(signum).name
-        now = time.monotonic()
+        name, now = signal.Signals(signum).name, time.monotonic()
         if self._phase == "starting":
             line = (f"stopped by {name} during start-up, before the first training step: "
                     "nothing to save, nothing lost")

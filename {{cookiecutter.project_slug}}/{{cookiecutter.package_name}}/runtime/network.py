@@ -1,15 +1,13 @@
 """Which network interface the ranks talk over.
 
 gloo and NCCL advertise to their peers the address their host name resolves to. Many machines
-resolve their own name to a loopback address (Debian and Ubuntu map it to 127.0.1.1), which no
-other machine can reach, and a multi-node job then fails at its first collective. The interface
-that works is the one whose address the kernel uses to reach MASTER_ADDR: `ip route get ADDR`
-shows it. `socket_interface_env` picks it when GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are unset;
-a value the user set wins.
+resolve their own name to a loopback address (Debian and Ubuntu map it to 127.0.1.1), which no other
+machine can reach, and a multi-node job then fails at its first collective. The interface that works
+is the one the kernel uses to reach MASTER_ADDR (`ip route get ADDR` shows it):
+`socket_interface_env` picks it unless the user set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME.
 
 `python -m <package>.runtime.network HOST` prints `INTERFACE ADDRESS IS_LOCAL` for the multi-node
-script. No torch import here: the script calls it before torchrun starts.
-"""
+script. No torch import here: the script calls it before torchrun starts."""
 
 from __future__ import annotations
 
@@ -36,7 +34,6 @@ def _addresses(interface: str) -> set[str]:
     found = set()
     try:
         import fcntl
-
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             request = struct.pack("256s", interface[:15].encode())
             found.add(socket.inet_ntoa(fcntl.ioctl(probe.fileno(), 0x8915, request)[20:24]))
@@ -62,13 +59,9 @@ def route_to(host: str) -> Route | None:
     except OSError:
         return None
     local = local.split("%", 1)[0]
-    loopback = ipaddress.ip_address(local).is_loopback
-    interface = ""
+    loopback, interface = ipaddress.ip_address(local).is_loopback, ""
     try:
-        for _, name in socket.if_nameindex():
-            if local in _addresses(name):
-                interface = name
-                break
+        interface = next((n for _, n in socket.if_nameindex() if local in _addresses(n)), "")
     except OSError:
         pass
     return Route(interface, local, loopback)
@@ -77,8 +70,7 @@ def route_to(host: str) -> Route | None:
 def is_local(address: str) -> bool:
     """Whether `address` belongs to this machine (a socket can be bound to it)."""
     try:
-        family = socket.getaddrinfo(address, 0)[0][0]
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
+        with socket.socket(socket.getaddrinfo(address, 0)[0][0], socket.SOCK_STREAM) as probe:
             probe.bind((address, 0))
         return True
     except OSError:
@@ -116,10 +108,8 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m <package>.runtime.network HOST", file=sys.stderr)
         return 2
-    route = route_to(argv[0])
-    if route is None:
-        print(f"error: no route to {argv[0]}: check the host name and the network",
-              file=sys.stderr)
+    if (route := route_to(argv[0])) is None:
+        print(f"error: no route to {argv[0]}: check the host name and the network", file=sys.stderr)
         return 1
     print(route.interface or "-", route.address, "true" if is_local(argv[0]) else "false")
     return 0

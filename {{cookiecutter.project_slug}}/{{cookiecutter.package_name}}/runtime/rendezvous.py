@@ -1,9 +1,7 @@
 """Set-up and clean-up: which backend, which devices, where the ranks meet, and joining the group.
 
-`ddp_setup` builds the key-value store itself (TCP, a shared file, or torchrun's agent) for
-`init_process_group`: one code path for every launcher, a store object the failure handling can
-use, and no file:// URL whose escaping could go wrong.
-"""
+`ddp_setup` builds the store (TCP, a shared file, or torchrun's agent) for `init_process_group`:
+one code path for every launcher, a store the failure handling can use, no file:// URL to escape."""
 
 from __future__ import annotations
 
@@ -52,10 +50,9 @@ def resolve_backend(requested: str, cuda_count: int, nccl_available: bool,
 def assign_devices(local_rank: int, local_world_size: int, cuda_count: int,
                    layout: str = "data_parallel", stage_devices: list[str] | None = None,
                    visible_devices: str | None = None) -> list[torch.device]:
-    """The devices of one process: two (first and last stage) for model_parallel_2, else one.
-    Pure (the device count and CUDA_VISIBLE_DEVICES are passed in): testable without GPUs. A
-    process given exactly its own devices (CUDA_VISIBLE_DEVICES per task, as SLURM's
-    `--gpus-per-task` does) counts them from 0."""
+    """The devices of one process: two (first and last stage) for model_parallel_2, else one. Pure
+    (device count and CUDA_VISIBLE_DEVICES passed in), testable without GPUs. A process given only
+    its own devices (CUDA_VISIBLE_DEVICES per task, as SLURM's `--gpus-per-task`) counts from 0."""
     if stage_devices:
         if layout != "model_parallel_2":
             raise UsageError("--stage-devices only applies to --model-layout model_parallel_2",
@@ -158,9 +155,8 @@ def resolve_rendezvous(method: str, world: World, rendezvous_dir: Path,
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"--init-method {method}: cannot create {path.parent} "
-                         f"({exc.strerror}); pick a writable shared folder",
-                         everywhere=True) from None
+        raise UsageError(f"--init-method {method}: cannot create {path.parent} ({exc.strerror}); "
+                         "pick a writable shared folder", everywhere=True) from None
     check_store_file(path)
     return Rendezvous("file", path=path)
 

@@ -1,10 +1,9 @@
 """Where metrics go (rank 0 only): `MetricsWriter` writes metrics.jsonl, summary.json and
 config.json, and logs to an experiment tracker: TensorBoard, Weights & Biases or MLflow.
 
-Each is a small class with `log(record)` and `close()`, and `run_id` where the tracker has runs:
-it is saved in every checkpoint, so a resumed run continues the same tracker run. The package
-of each tracker is imported only when it is chosen; a missing one is one `error:` line.
-"""
+Each is a small class with `log(record)` and `close()`, and `run_id` where the tracker has runs: it
+is saved in every checkpoint, so a resumed run continues the same tracker run. The package of each
+tracker is imported only when it is chosen; a missing one is one `error:` line."""
 
 from __future__ import annotations
 
@@ -25,9 +24,7 @@ class MetricsWriter:
     def __init__(self, output_dir: str | Path, enabled: bool, tracker: str = "none",
                  append: bool = False, config: dict[str, Any] | None = None,
                  tracker_run_id: str | None = None) -> None:
-        self.output_dir = Path(output_dir)
-        self.enabled = enabled
-        self._file = None
+        self.output_dir, self.enabled, self._file = Path(output_dir), enabled, None
         self.tracker: Tracker | None = None
         if not enabled:
             return
@@ -111,14 +108,12 @@ class WandbTracker:
     <output-dir>/wandb/ for `wandb sync`; a resumed run logs under the same run id."""
 
     def __init__(self, output_dir: Path, config: dict[str, Any], run_id: str | None) -> None:
-        wandb = _import("wandb", "wandb", "wandb")
-        self.wandb = wandb
-        new_run = run_id is None
+        self.wandb = wandb = _import("wandb", "wandb", "wandb")
         self.run_id = run_id or uuid.uuid4().hex[:12]
         try:
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT),
                                   dir=str(output_dir), id=self.run_id, resume="allow",
-                                  config=config if new_run else None,  # logged once, at the start
+                                  config=config if run_id is None else None,  # once, at the start
                                   settings=wandb.Settings(console="off", save_code=False))
         except Exception as exc:
             raise UsageError(f"--tracker wandb could not start ({type(exc).__name__}: "
@@ -135,17 +130,14 @@ class WandbTracker:
 
 
 class MlflowTracker:
-    """MLflow. The store is MLFLOW_TRACKING_URI, or sqlite in <output-dir>/mlflow.db; a resumed
-    run continues the same MLflow run."""
+    """MLflow (MLFLOW_TRACKING_URI, else <output-dir>/mlflow.db); a resume continues its run."""
 
     def __init__(self, output_dir: Path, config: dict[str, Any], run_id: str | None) -> None:
         os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
-        mlflow = _import("mlflow", "mlflow-skinny", "mlflow")
-        self.mlflow = mlflow
+        self.mlflow = mlflow = _import("mlflow", "mlflow-skinny", "mlflow")
         try:
-            uri = os.environ.get("MLFLOW_TRACKING_URI",
-                                 f"sqlite:///{(output_dir / 'mlflow.db').resolve()}")
-            mlflow.set_tracking_uri(uri)
+            mlflow.set_tracking_uri(os.environ.get(
+                "MLFLOW_TRACKING_URI", f"sqlite:///{(output_dir / 'mlflow.db').resolve()}"))
             if run_id is None:
                 name = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
                 found = mlflow.get_experiment_by_name(name)

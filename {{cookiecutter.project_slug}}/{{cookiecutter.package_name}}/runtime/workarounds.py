@@ -1,8 +1,7 @@
 """Work-arounds for PyTorch behaviour, in one place so each can go the day PyTorch fixes it.
 
-Each entry says what goes wrong without it, the upstream report, and the PyTorch versions it was
-seen with. Delete a function (and its one call) once the minimum supported torch no longer needs it.
-"""
+Each entry says what goes wrong without it, the upstream report, and the torch versions it was seen
+with. Delete a function (and its one call) once the oldest supported torch no longer needs it."""
 
 from __future__ import annotations
 
@@ -21,12 +20,11 @@ def exit_process(code: int) -> NoReturn:
 
     Without it: a run that finished fine can abort at exit ("terminate called without an active
     exception", exit -6, and torchrun calls the job failed). Gloo's worker threads still hold
-    tensors when the interpreter is torn down, because a process group used by DDP stays alive
-    after destroy_process_group; releasing them then needs the GIL of a dying interpreter.
-    Upstream: https://github.com/pytorch/pytorch/issues/190489 (an atexit fix, #179291, was
-    abandoned). Seen with torch 2.13 (gloo, 1 in 20-60 resumed runs under load).
-    Cost: atexit handlers do not run, so everything the project writes is closed explicitly first.
-    """
+    tensors when the interpreter is torn down, because a process group used by DDP stays alive after
+    destroy_process_group; releasing them then needs the GIL of a dying interpreter. Upstream:
+    https://github.com/pytorch/pytorch/issues/190489 (an atexit fix, #179291, was abandoned). Seen
+    with torch 2.13 (gloo, 1 in 20-60 resumed runs under load). Cost: atexit handlers do not run, so
+    everything the project writes is closed explicitly first."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -38,9 +36,8 @@ def stop_stuck_agent(agent_pid: int) -> None:
     Without it: the agent's monitoring loop asks its rendezvous store how many nodes wait, and a
     TCPStore get whose host dropped off the network blocks in recv() forever (no timeout; SIGTERM
     does nothing, recv is retried). The training processes end by their deadlines, the agent never
-    does, and the node stays busy. Upstream: https://github.com/pytorch/pytorch/issues/129367 (a
-    get stuck in recv). Seen with torch 2.13 on two network-namespace hosts, one cut off.
-    """
+    does, and the node stays busy. Upstream: https://github.com/pytorch/pytorch/issues/129367 (a get
+    stuck in recv). Seen with torch 2.13 on two network-namespace hosts, one cut off."""
     try:
         os.kill(agent_pid, signal.SIGKILL)
     except OSError:
@@ -51,8 +48,7 @@ def remove_file_store(store: dist.Store, path: Path, world_size: int) -> None:
     """Remove a FileStore's file once the last rank leaves.
 
     Without it: `exit_process` skips the FileStore destructor, which is where PyTorch removes the
-    file, and the next launch finds a leftover file. Needed as long as `exit_process` is.
-    """
+    file, and the next launch finds a leftover file. Needed as long as `exit_process` is."""
     try:
         last = store.add("ranks_done", 1) == world_size
     except Exception:  # a peer already removed the file: nothing left to do
@@ -66,9 +62,8 @@ def agent_store(host: str, port: int, world_size: int, timeout_s: float) -> dist
 
     Without it: torchrun keeps one store for every restart attempt of a job, and the workers of a
     restart read the addresses the dead workers published there and never connect (gloo hangs in
-    connectFullMesh). Upstream: https://github.com/pytorch/pytorch/issues/135712 (restart counts
-    are tracked per worker, not per job). Seen with torch 2.5 to 2.13 under --max-restarts.
-    """
+    connectFullMesh). Upstream: https://github.com/pytorch/pytorch/issues/135712 (restart counts are
+    tracked per worker, not per job). Seen with torch 2.5 to 2.13 under --max-restarts."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.TCPStore(host, port, world_size, is_master=False,
                           timeout=timedelta(seconds=timeout_s), use_libuv=use_libuv())
@@ -79,11 +74,9 @@ def windows_env(platform: str, torch_version: str) -> dict[str, str]:
     """Environment Windows needs before any TCP store starts.
 
     Without it: PyTorch 2.4+ defaults to a libuv TCPStore, which its Windows builds do not have
-    ("use_libuv was requested but PyTorch was built without libuv support").
-    Upstream: https://github.com/pytorch/pytorch/issues/139990; init_process_group defaults to
-    USE_LIBUV=0 on Windows since torch 2.7 (#148266), torchrun's rendezvous still does not
-    (#178600).
-    """
+    ("use_libuv was requested but PyTorch was built without libuv support"). Upstream:
+    https://github.com/pytorch/pytorch/issues/139990; init_process_group defaults to USE_LIBUV=0 on
+    Windows since torch 2.7 (#148266), torchrun's rendezvous still does not (#178600)."""
     if platform != "win32":
         return {}
     major, minor = (int(part) for part in torch_version.split(".")[:2])
@@ -91,15 +84,12 @@ def windows_env(platform: str, torch_version: str) -> dict[str, str]:
 
 
 def set_group_timeout(timeout_s: float) -> None:
-    """Change the default process group's timeout after it started (NCCL: long for start-up and
-    the first step, then --timeout-s).
+    """Change the default process group's timeout after it started (NCCL: long for start-up and the
+    first step, then --timeout-s).
 
     Without it: one timeout for the whole run, either too short for NCCL's start-up or too long to
     notice a stalled rank in training. PyTorch has only this private function for it
-    (https://github.com/pytorch/pytorch/pull/115453, torch 2.3+); torchtitan calls it too.
-    """
-    from datetime import timedelta
-
+    (https://github.com/pytorch/pytorch/pull/115453, torch 2.3+); torchtitan calls it too."""
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
 
 
@@ -111,25 +101,21 @@ def torchrun_quietly(argv: list[str]) -> int:
     """torchrun, ending with one line and exit 128 + signal when it is stopped by a signal.
 
     Without it: every preemption or `scancel` of a SLURM job prints about 30 lines of the agent's
-    traceback into slurm-N.out (SignalException: torchrun turns SIGTERM into an exception so that
-    it can stop its workers first, then lets it escape; https://github.com/pytorch/pytorch/pull/61602).
-    Its workers were stopped and have saved by then. Seen with torch 2.5 to 2.13.
-    """
+    traceback into slurm-N.out (SignalException: torchrun turns SIGTERM into an exception so that it
+    can stop its workers first, then lets it escape; https://github.com/pytorch/pytorch/pull/61602).
+    Its workers were stopped and have saved by then. Seen with torch 2.5 to 2.13."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main
-
     try:
         main(argv)
     except SignalException as stop:
-        name = signal.Signals(stop.sigval).name
-        print(f"torchrun: stopped by {name}; its training processes were stopped too",
-              file=sys.stderr, flush=True)
+        print(f"torchrun: stopped by {signal.Signals(stop.sigval).name}; its training processes "
+              "were stopped too", file=sys.stderr, flush=True)
         return 128 + stop.sigval
     return 0
 
 
-# python -m <package>.runtime.workarounds torchrun ARGS (the SLURM scripts)
-if __name__ == "__main__":
+if __name__ == "__main__":  # the SLURM scripts: python -m <package>.runtime.workarounds torchrun
     if sys.argv[1:2] != ["torchrun"]:
         sys.exit("usage: python -m <package>.runtime.workarounds torchrun [torchrun arguments]")
     sys.exit(torchrun_quietly(sys.argv[2:]))

@@ -10,10 +10,16 @@ The rest of the project relies on:
     build_model(cfg) -> nn.Module          built on the CPU; the project places it on devices
     loss_fn(model, batch) -> Tensor        the batch's mean loss; batch is already on the device
     eval_metrics(model, batch) -> dict     per-batch sums plus a 'count'; reported as val_<name>
-Optional: collate(samples) -> batch, blocks(model) -> the model's repeated blocks (used by
---model-layout model_parallel_2 and fsdp), finalize_metrics(averages) -> what to report,
-configure_optimizer(model, cfg) -> optimizer or (optimizer, scheduler) (default: AdamW),
-predict(model, inputs, cfg) -> one line per input (scripts/predict.py).
+Optional:
+    collate(samples) -> batch              how samples become a batch (default: default_collate)
+    blocks(model) -> list[nn.Module]       the repeated blocks: fsdp shards each one,
+                                           model_parallel_2 splits the model between them
+    finalize_metrics(averages) -> dict     numbers derived from the averages (perplexity)
+    predict(model, inputs, cfg) -> list    one line per input (scripts/predict.py)
+    tokens_per_sample(cfg), flops_per_token(model, cfg)    tokens/s and MFU in the metrics
+    configure_optimizer(model, cfg)        an optimizer (default: AdamW), (optimizer, scheduler)
+                                           or {name: either} over parts of the model
+    train_step(step, batch) -> dict        a step of your own (docs/custom-step.md)
 """
 
 from __future__ import annotations

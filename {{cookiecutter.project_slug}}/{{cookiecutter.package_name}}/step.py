@@ -1,0 +1,95 @@
+"""One training step: `Step`, what a step function is given for one batch, and the default step.
+
+The loop calls the step function once per batch: `task.train_step(step, batch)` when task.py
+defines one, else `plain_step(task.loss_fn)` below, which is all of plain training: the forward
+(task.loss_fn), the backward and one optimizer's update. A step of your own (a GAN, SAM, a frozen
+teacher) makes the same calls; docs/custom-step.md has worked examples.
+
+A run's step is one accumulation group (one batch without --grad-accum). The step function runs
+once for each batch of the group; `backward` weights a batch's loss by its share of the group's
+samples, gradients are exchanged at the group's last batch only, and `update` steps an optimizer
+there only (before, it does nothing). Then the fp16 loss scale is updated once and the EMA (--ema-
+decay) averages the new weights once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import Config
+from .failures import UsageError
+from .optim import Optimization
+
+
+class Step:
+    """What a step function is given for one batch:
+
+    model       the model as placed (DDP, fsdp, model_parallel_2): call it for forward passes, so
+                that gradients are exchanged (DDP syncs only what its own forward started)
+    module      your own module (task.build_model's), for its submodules and parameters
+    optimizers  the optimizers by name: "default", or the names task.configure_optimizer gives
+    cfg         the run's Config
+    number      the optimizer steps taken before this one (the first step is 0)
+    """
+
+    def __init__(self, model: nn.Module, module: nn.Module, optim: Optimization,
+                 cfg: Config) -> None:
+        self.model, self.module, self.cfg, self.optim = model, module, cfg, optim
+        self.optimizers = optim.optimizers
+        self.number, self.weight, self.last = 0, 1.0, True
+
+    def begin(self, number: int, weight: float, last: bool) -> None:
+        """A batch of step `number`: `weight`, its share of the group; `last`, the group's last."""
+        self.number, self.weight, self.last = number, weight, last
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Around forward passes: --precision's autocast (nothing in fp32)."""
+        return self.optim.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, with fp16's loss scaling and the batch's weight in its group."""
+        self.optim.backward(loss if self.weight == 1.0 else loss * self.weight)
+
+    def update(self, name: str | None = None) -> None:
+        """At the group's last batch, optimizer `name` (None: the only one) steps: its gradients
+        are unscaled (fp16) and clipped (--clip-grad), it steps, they are zeroed, its schedule
+        steps. Before the last batch it does nothing."""
+        if self.last:
+            self.optim.update(name)
+        else:
+            self.optim.named(name)  # a name that does not exist is an error at every batch
+
+
+def plain_step(loss_fn: Callable) -> Callable[[Step, Any], dict[str, torch.Tensor]]:
+    """The default step: task.loss_fn's loss (and its parts, when it returns
+    `(loss, {name: tensor})`), its backward, and the one optimizer's update."""
+
+    def train_step(step: Step, batch: Any) -> dict[str, torch.Tensor]:
+        with step.autocast():
+            loss = loss_fn(step.model, batch)
+        loss, parts = loss if isinstance(loss, tuple) else (loss, {})
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise UsageError(f"task.loss_fn must return the batch's mean loss as a scalar tensor "
+                             f"that requires grad; it returned {shape}", everywhere=True)
+        step.backward(loss)
+        step.update()
+        return {"loss": loss, **parts}
+
+    return train_step
+
+
+def check_values(values: Any, where: str) -> dict[str, torch.Tensor]:
+    """A step's result, `{name: scalar tensor}`, or one error line."""
+    if isinstance(values, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                        and v.numel() == 1 for k, v in values.items()):
+        return values
+    got = ({k: tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            for k, v in values.items()} if isinstance(values, dict) else type(values).__name__)
+    raise UsageError(f"{where} must return a dict of scalar tensors by name (logged as they "
+                     f"are named); it returned {got}", everywhere=True)
