@@ -23,6 +23,40 @@ CHOICES = {name: (value if isinstance(value, list) else [False, True])
 TORCH = "torch==2.13.0"  # the only torch this machine installs (a local CPU build)
 
 
+# Where the time goes, printed at the end of every run: seconds per test file (setup, call and
+# teardown of its tests; with xdist, summed over the workers), beside --durations' slowest tests.
+SECONDS_PER_FILE: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    file = report.nodeid.split("::")[0]
+    SECONDS_PER_FILE[file] = SECONDS_PER_FILE.get(file, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not SECONDS_PER_FILE:
+        return
+    terminalreporter.write_sep("=", "seconds per test file")
+    for file, seconds in sorted(SECONDS_PER_FILE.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {file}")
+    terminalreporter.write_line(f"{sum(SECONDS_PER_FILE.values()):8.1f} s  in all")
+
+
+# `make test` runs on 2 xdist workers (--dist loadgroup): tests that share a venv, a SLURM
+# cluster or podman's image store are one group, run by one worker in order. The longest groups
+# are handed out first, so that neither worker is left with two of them at the end.
+GROUP_ORDER = ["default-venv", "slurm", "container"]
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        marker = item.get_closest_marker("xdist_group")
+        name = marker and (marker.args[0] if marker.args else marker.kwargs.get("name"))
+        return GROUP_ORDER.index(name) if name in GROUP_ORDER else len(GROUP_ORDER)
+
+    items.sort(key=rank)  # stable: collection order within each rank
+
+
 def pytest_configure(config):
     # pytest-cookies bakes `--template` (default "."): make that this repository wherever pytest
     # runs from.
@@ -68,16 +102,17 @@ def expected_files(package: str, answers: dict) -> set[str]:
         ".gitignore", "README.md", "pyproject.toml", "requirements.txt", "train.py",
         "configs/example.toml", "scripts/train_local.sh", "scripts/train_multinode.sh",
         "scripts/plot_metrics.py", "scripts/predict.py", "docs/worked-example.md", "docs/launching.md",
-        "docs/recovery.md", "docs/performance.md", "docs/configuration.md",
+        "docs/recovery.md", "docs/performance.md", "docs/configuration.md", "docs/custom-step.md",
     }
     files |= {f"tests/{name}.py" for name in (
-        "conftest", "hosts", "test_backstop", "test_checkpoint", "test_config", "test_custom_task", "test_data",
+        "conftest", "hosts", "test_backstop", "test_checkpoint", "test_config", "test_custom_step", "test_custom_task",
+        "test_data",
         "test_distributed", "test_docs", "test_ema", "test_features", "test_hangs", "test_hsdp", "test_launchers",
         "test_layouts", "test_mistakes", "test_nccl", "test_network", "test_object_storage", "test_plan",
         "test_recovery", "test_task", "test_tracker", "test_train", "s3server")}
     files |= {f"{package}/{name}.py" for name in (
         "__init__", "config", "data", "doctor", "ema", "evaluation", "failures", "loop", "main", "meters", "metrics",
-        "optim", "parallel", "plan", "settings", "task")}
+        "optim", "parallel", "plan", "settings", "step", "task")}
     files |= {f"{package}/checkpoint/{name}.py" for name in (
         "__init__", "__main__", "checkpointer", "export", "files", "folder", "resume", "sharded", "storage")}
     files |= {f"{package}/runtime/{name}.py" for name in (

@@ -16,6 +16,9 @@ from conftest import PYTHON, ROOT, answers_id, check_ok, run
 from cookiecutter.main import cookiecutter
 from slurm import why_not_two_nodes as why_no_slurm
 
+# One venv, used in order (module docstring): one xdist worker runs these tests.
+pytestmark = pytest.mark.xdist_group("default-venv")
+
 # The minimal-install runs keep their files apart from the README quickstart's.
 SMALL = ("--no-progress --dataset-size 256 --hidden-size 16 --output-dir minimal/runs "
          "--checkpoint-dir minimal/ck")
@@ -154,7 +157,7 @@ def run_elsewhere() -> list[str]:
 
 def test_the_projects_whole_suite_passes_in_the_venv(default_project, torch_venv,
                                                      quickstart_done):
-    result = torch_venv.run([torch_venv.python, "-m", "pytest", "-q", "--full", "-p",
+    result = torch_venv.run([torch_venv.python, "-m", "pytest", "-q", "--full", "-n", "2", "-p",
                              "no:cacheprovider", "-rs", *run_elsewhere()], default_project,
                             timeout=3600)
     check_ok(result)
@@ -200,7 +203,7 @@ def test_readme_image_folder_of_jpeg_and_png_trains_with_no_extra_step(default_p
                                                                         quickstart_done):
     readme = (default_project / "README.md").read_text()
     block = readme.split("Your own images train", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    [command] = [line for line in block.splitlines() if line.startswith("torchrun")]
+    [command] = [line for line in block.splitlines() if line.startswith("scripts/train_local.sh")]
     images = WORKED_EXAMPLE_IMAGES.replace("class{label}", "{['cat', 'dog', 'owl'][label]}")
     check_ok(torch_venv.run([torch_venv.python, "-c", images, "data/train"], default_project))
     assert {p.suffix for p in (default_project / "data/train/cat").iterdir()} == {".jpg", ".png"}
@@ -304,7 +307,9 @@ SUITES = [
 ]
 
 
-@pytest.mark.parametrize("answers", SUITES, ids=answers_id)
+@pytest.mark.parametrize("answers", [  # no venv: any worker, one bake each
+    pytest.param(answers, marks=pytest.mark.xdist_group(f"answers-{i}"))
+    for i, answers in enumerate(SUITES)], ids=answers_id)
 def test_other_tasks_and_answers_pass_their_tests(tmp_path, answers):
     project = bake_to(tmp_path, **answers)
     pytest_ = [PYTHON, "-m", "pytest", "-q", "--full", "-p", "no:cacheprovider"]
