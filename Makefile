@@ -1,7 +1,7 @@
 # make demo: bake a project with the default answers into .demo/ and train it as its README's
 # quickstart does (one process per GPU, or 2 CPU processes).
-# make test: the template's whole test suite (what CI runs), on 2 xdist workers; it ends with the
-# slowest tests and the seconds per test file.
+# make test: the template's whole test suite (what CI runs); it ends with the slowest tests and the
+# seconds per test file.
 # make bench: the benchmark (not part of the tests).
 # make gpu-check: on a GPU machine, the default project's quickstart, tests and GPU benchmark in
 # about 8 minutes (bench/gpu_check.py; results in bench/results/gpu-check/).
@@ -25,7 +25,7 @@ lint:
 	$(PYTHON) -m ruff check hooks tests bench
 
 test: setup lint
-	$(PYTHON) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
+	$(PYTHON) -m pytest -q --durations=25
 
 # The generated Trainer against a raw DDP loop, DataLoader, the tutorial style and Lightning (see README).
 bench: setup

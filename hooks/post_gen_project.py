@@ -24,13 +24,6 @@ TORCHFT = ["train_ft.py", "train.torchft.py", "{package}/fault_tolerance.py", "s
            "scripts/bench_ft.py", "scripts/slurm/ft.sbatch", "tests/test_fault_tolerance.py",
            "docs/fault-tolerance.md"]
 
-LAUNCH = {
-    "torchrun": "torchrun --standalone --nproc-per-node=2 train.py --epochs 3",
-    "spawn": "python train.py --nprocs 2 --epochs 3",
-    "launch": "python -m torch.distributed.launch --nproc-per-node=2 train.py --epochs 3",
-}
-
-
 def remove(target: Path) -> None:
     if target.is_dir():
         shutil.rmtree(target)
@@ -67,7 +60,7 @@ Created {root}
 Next:
   cd {root.name}
   pip install -e ".[dev]"
-  {LAUNCH[ANSWERS["launcher"]]}
+  scripts/train_local.sh --epochs 3     # {ANSWERS["launcher"]}: one process per GPU, or 2 on CPU
   pytest -q
 """)
 

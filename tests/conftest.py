@@ -24,7 +24,7 @@ TORCH = "torch==2.13.0"  # the only torch this machine installs (a local CPU bui
 
 
 # Where the time goes, printed at the end of every run: seconds per test file (setup, call and
-# teardown of its tests; with xdist, summed over the workers), beside --durations' slowest tests.
+# teardown of its tests), beside --durations' slowest tests.
 SECONDS_PER_FILE: dict[str, float] = {}
 
 
@@ -40,21 +40,6 @@ def pytest_terminal_summary(terminalreporter):
     for file, seconds in sorted(SECONDS_PER_FILE.items(), key=lambda item: -item[1]):
         terminalreporter.write_line(f"{seconds:8.1f} s  {file}")
     terminalreporter.write_line(f"{sum(SECONDS_PER_FILE.values()):8.1f} s  in all")
-
-
-# `make test` runs on 2 xdist workers (--dist loadgroup): tests that share a venv, a SLURM
-# cluster or podman's image store are one group, run by one worker in order. The longest groups
-# are handed out first, so that neither worker is left with two of them at the end.
-GROUP_ORDER = ["default-venv", "slurm", "container"]
-
-
-def pytest_collection_modifyitems(items):
-    def rank(item) -> int:
-        marker = item.get_closest_marker("xdist_group")
-        name = marker and (marker.args[0] if marker.args else marker.kwargs.get("name"))
-        return GROUP_ORDER.index(name) if name in GROUP_ORDER else len(GROUP_ORDER)
-
-    items.sort(key=rank)  # stable: collection order within each rank
 
 
 def pytest_configure(config):

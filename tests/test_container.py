@@ -42,9 +42,7 @@ from test_kubernetes import (
 )
 
 WHY_NOT = container.why_not()
-# One image build and its containers at a time, in one podman store: one xdist worker.
-pytestmark = [pytest.mark.container, pytest.mark.xdist_group("container"),
-              pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
+pytestmark = [pytest.mark.container, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ from conftest import ROOT, TORCH, Venv, check_ok
 from cookiecutter.main import cookiecutter
 from slurm import SlurmCluster, why_not
 
-# One SLURM cluster at a time, and this module's venv: one xdist worker (conftest.py).
-pytestmark = [pytest.mark.torchft, pytest.mark.xdist_group("slurm")]
+pytestmark = pytest.mark.torchft
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,6 @@ from conftest import PYTHON, ROOT, answers_id, check_ok, run
 from cookiecutter.main import cookiecutter
 from slurm import why_not_two_nodes as why_no_slurm
 
-# One venv, used in order (module docstring): one xdist worker runs these tests.
-pytestmark = pytest.mark.xdist_group("default-venv")
-
 # The minimal-install runs keep their files apart from the README quickstart's.
 SMALL = ("--no-progress --dataset-size 256 --hidden-size 16 --output-dir minimal/runs "
          "--checkpoint-dir minimal/ck")
@@ -158,7 +155,7 @@ def run_elsewhere() -> list[str]:
 def test_the_projects_whole_suite_passes_in_the_venv(default_project, torch_venv,
                                                      quickstart_done):
     result = torch_venv.run([torch_venv.python, "-m", "pytest", "-q", "--full", "-n", "2", "-p",
-                             "no:cacheprovider", "-rs", *run_elsewhere()], default_project,
+                             "no:cacheprovider", "-rfEs", *run_elsewhere()], default_project,
                             timeout=3600)
     check_ok(result)
     summary = result.stdout.strip().splitlines()[-1]
@@ -307,9 +304,7 @@ SUITES = [
 ]
 
 
-@pytest.mark.parametrize("answers", [  # no venv: any worker, one bake each
-    pytest.param(answers, marks=pytest.mark.xdist_group(f"answers-{i}"))
-    for i, answers in enumerate(SUITES)], ids=answers_id)
+@pytest.mark.parametrize("answers", SUITES, ids=answers_id)
 def test_other_tasks_and_answers_pass_their_tests(tmp_path, answers):
     project = bake_to(tmp_path, **answers)
     pytest_ = [PYTHON, "-m", "pytest", "-q", "--full", "-p", "no:cacheprovider"]

@@ -22,9 +22,7 @@ from cookiecutter.main import cookiecutter
 from slurm import SUBNET, SlurmCluster, TwoNodeCluster, why_not, why_not_two_nodes
 
 WHY_NOT = why_not()
-# One SLURM cluster at a time: one xdist worker runs these and the torchft SLURM test.
-pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm"),
-              pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
 
 # This machine has no GPU: a node of 2 CPUs runs the two training processes.
 RESOURCES = {

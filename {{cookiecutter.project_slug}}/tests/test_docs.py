@@ -439,3 +439,34 @@ def test_the_optional_task_functions_are_listed_alike():
     in_task = set(re.findall(r"^\s+(\w+)\(", optional, re.MULTILINE)) | set(
         re.findall(r", (\w+)\(", optional))
     assert in_readme == in_task and len(in_readme) >= 8, (in_readme, in_task)
+
+
+def flags_table() -> str:
+    """The table of docs/configuration.md's "Every flag": train.py's flags section by section, each
+    with its default and its help as `--help` gives them (task.py's own settings are the task's:
+    `python train.py --help` lists them)."""
+    from {{ cookiecutter.package_name }}.config import Config
+    from {{ cookiecutter.package_name }}.settings import build_parser
+
+    rows = ["| flag | default | what it does |", "|---|---|---|"]
+    for group in build_parser(Config, None)._action_groups:
+        actions = [a for a in group._group_actions if a.dest != "help"]
+        if actions:
+            rows.append(f"| **{group.title}** | | |")
+        for action in actions:
+            flags = ", ".join(f"`{option}`" for option in action.option_strings)
+            default = "" if action.default in (None, []) else f"`{action.default}`"
+            what = action.help.replace("|", "\\|")
+            if action.choices:
+                what += f" (one of {', '.join(map(str, action.choices))})"
+            rows.append(f"| {flags} | {default} | {what} |")
+    return "\n".join(rows)
+
+
+def test_the_flags_reference_is_the_declarations():
+    """docs/configuration.md's table of every flag is generated from the settings' declarations:
+    a flag added, renamed or re-documented fails this test, which prints the table anew."""
+    doc = (PROJECT_ROOT / "docs/configuration.md").read_text(encoding="utf-8")
+    table = doc.split("<!-- flags table -->\n", 1)[1].split("\n<!-- end of flags table -->", 1)[0]
+    expected = flags_table()
+    assert table == expected, f"docs/configuration.md's flags table should be:\n{expected}"

@@ -209,7 +209,7 @@ def test_an_upload_that_keeps_failing_stops_the_run_naming_the_newest_complete_c
     assert f"the newest complete checkpoint is {url}/{first}" in line, line
     if layout == "data_parallel":
         assert "cannot upload checkpoint" in line and "after 3 tries" in line, line
-    assert proxy.refused >= 3 and took < 120
+    assert proxy.refused >= (3 if layout == "data_parallel" else 1) and took < 120
     assert [c for c in checkpoints(s3.fs(), url[9:]) if "00000016" not in c] == [first]
 
 

@@ -48,10 +48,10 @@ class InMemoryDataset(Dataset):
         return self.__getitems__(index)
 
     def __getitems__(self, indices: torch.Tensor) -> Any:
-        device = self.tensors[0].device
-        if device.type != "cpu" and not (torch.is_tensor(indices) and indices.device == device):
+        if self.tensors[0].is_cuda and not (torch.is_tensor(indices) and indices.is_cuda):
             # pinned, the indices' copy does not wait for the GPU
-            indices = torch.as_tensor(indices).pin_memory().to(device, non_blocking=True)
+            indices = torch.as_tensor(indices).pin_memory().to(self.tensors[0].device,
+                                                               non_blocking=True)
         if len(self.tensors) == 1:
             return self.tensors[0][indices]
         return tuple(t[indices] for t in self.tensors)
@@ -255,8 +255,10 @@ def place_on_device(datasets: list[Dataset | None], device: torch.device, num_wo
 
 def move_to(batch: Any, device: torch.device) -> Any:
     """A batch on `device`. Batches pinned by DataLoader workers copy without blocking the host."""
-    if type(batch) is tuple and all(type(t) is torch.Tensor for t in batch):
-        return tuple(t.to(device, non_blocking=True) for t in batch)  # the common case, fast
     if isinstance(batch, WorkerError):
         raise KINDS.get(batch.kind, RunFailure)(batch.message)
+    if device.type == "cpu":  # where every loader makes its batches: nothing to move
+        return batch
+    if type(batch) is tuple and all(type(t) is torch.Tensor for t in batch):
+        return tuple(t.to(device, non_blocking=True) for t in batch)  # the common case, fast
     return apply_to_tensors(batch, lambda t: t.to(device, non_blocking=True))

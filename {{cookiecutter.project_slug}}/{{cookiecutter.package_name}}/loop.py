@@ -81,9 +81,8 @@ class Trainer:
         self.evaluation = Evaluation(cfg, data.evaluator, evaluated, optim.autocast, optim.ema,
                                      world.is_main, self.metrics.record)
         # One batch of training: task.train_step, or the default step (step.py).
-        custom = getattr(task, "train_step", None)
-        self.train_step = custom or plain_step(task.loss_fn)
-        self.what_steps = "task.train_step" if custom else "task.loss_fn's (loss, parts)"
+        self.custom_step = getattr(task, "train_step", None)
+        self.train_step = self.custom_step or plain_step(task.loss_fn)
         self.step_state = Step(model, self.unwrapped, optim, cfg)
 
     def resume(self) -> None:
@@ -140,7 +139,7 @@ class Trainer:
             last_in_group, weight = self._accumulation(i, total)
             values = self._run_batch(move_to(batch, self.device), weight, last=last_in_group)
             self.metrics.batch_done(values, self.batches.batch_len(i))
-            if last_in_group and self.optim.finish_step():  # torchft: False if not committed
+            if last_in_group and self.optim.finish_step():  # False: the step was not taken
                 self.step, self.batch_in_epoch = self.step + 1, i + 1
                 if self._after_step(epoch, last_of_epoch=i + 1 == total):
                     break
@@ -160,7 +159,7 @@ class Trainer:
         else:
             with set_gradient_sync(self.model, False):
                 values = self.train_step(self.step_state, batch)
-        return check_values(values, self.what_steps)
+        return check_values(values, "task.train_step") if self.custom_step else values
 
     def _agreed_batch_count(self) -> int:
         """The batches every rank will run this epoch: the smallest count of any rank. Our sampler

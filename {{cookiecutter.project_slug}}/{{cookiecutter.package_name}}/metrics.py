@@ -92,12 +92,13 @@ class Metrics:
         """A batch's logged values (the loss, its parts): they stay on the device, no host sync
         until the log step."""
         for name, value in values.items():
-            value = value.detach().float().reshape(())
-            if name in self._sums:
-                self._sums[name] = self._sums[name] + value
-                self._counts[name] += 1
-            else:
-                self._sums[name], self._counts[name] = value, 1
+            total = self._sums.get(name)
+            if total is None:
+                kind = torch.promote_types(value.dtype, torch.float32)  # float64 stays so
+                total = self._sums[name] = torch.zeros((), dtype=kind, device=value.device)
+                self._counts[name] = 0
+            total += value.detach() if value.dim() == 0 else value.detach().reshape(())
+            self._counts[name] += 1
         self._samples += samples
         self.progress.update()
 
@@ -230,7 +231,7 @@ class LogStats:
         host = [float(signum is not None), *(float(counts[n]) for n in self.names)]
         host += [0.0] * 2 * world
         host[1 + k + rank], host[1 + k + world + rank] = peak_memory_mb(device)
-        stats = torch.cat([torch.stack(list(sums.values())).to(comm_device),
+        stats = torch.cat([torch.stack([v.float() for v in sums.values()]).to(comm_device),
                            torch.tensor(host).to(comm_device, non_blocking=True)])
         self.work = dist.all_reduce(stats, async_op=True)
         self.copied: torch.cuda.Event | None = None

@@ -81,6 +81,7 @@ class Optimization:
             self.optimizers[name] = optimizer
             self.schedulers[name] = scheduler or torch.optim.lr_scheduler.LambdaLR(
                 optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
+        self.only = next(iter(self.optimizers))  # the name `update()` means, if only one
         self.params = {name: [p for g in o.param_groups for p in g["params"]]
                        for name, o in self.optimizers.items()}
         check_disjoint(self.params, unwrap(model))
@@ -102,7 +103,7 @@ class Optimization:
     def update(self, name: str | None = None) -> None:
         """Optimizer `name` steps (the only one when None): clip its true gradients, step, zero
         them, then its schedule."""
-        name = self.named(name)
+        name = self.only if name is None and len(self.optimizers) == 1 else self.named(name)
         optimizer = self.optimizers[name]
         if self.cfg.clip_grad > 0:
             self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
@@ -114,10 +115,10 @@ class Optimization:
 
     def named(self, name: str | None) -> str:
         """`name` when there is such an optimizer (None: the only one), else one error line."""
+        if name is None and len(self.optimizers) == 1:
+            return self.only
         if name in self.optimizers:
             return name
-        if name is None and len(self.optimizers) == 1:
-            return next(iter(self.optimizers))
         have = ", ".join(f"'{n}'" for n in self.optimizers)
         raise UsageError(f"task.train_step: no optimizer {name!r}: task.configure_optimizer "
                          f"gives {have}" if name else f"task.train_step: step.update() needs "

@@ -14,7 +14,6 @@ decay) averages the new weights once.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -41,15 +40,12 @@ class Step:
                  cfg: Config) -> None:
         self.model, self.module, self.cfg, self.optim = model, module, cfg, optim
         self.optimizers = optim.optimizers
+        self.autocast = optim.autocast  # around forward passes: --precision's (fp32: nothing)
         self.number, self.weight, self.last = 0, 1.0, True
 
     def begin(self, number: int, weight: float, last: bool) -> None:
         """A batch of step `number`: `weight`, its share of the group; `last`, the group's last."""
         self.number, self.weight, self.last = number, weight, last
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """Around forward passes: --precision's autocast (nothing in fp32)."""
-        return self.optim.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, with fp16's loss scaling and the batch's weight in its group."""
@@ -68,20 +64,30 @@ class Step:
 def plain_step(loss_fn: Callable) -> Callable[[Step, Any], dict[str, torch.Tensor]]:
     """The default step: task.loss_fn's loss (and its parts, when it returns
     `(loss, {name: tensor})`), its backward, and the one optimizer's update."""
+    checked = False
 
     def train_step(step: Step, batch: Any) -> dict[str, torch.Tensor]:
+        nonlocal checked
         with step.autocast():
             loss = loss_fn(step.model, batch)
-        loss, parts = loss if isinstance(loss, tuple) else (loss, {})
-        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise UsageError(f"task.loss_fn must return the batch's mean loss as a scalar tensor "
-                             f"that requires grad; it returned {shape}", everywhere=True)
+        loss, parts = loss if type(loss) is tuple else (loss, None)
+        if not checked:  # once: the same code gives the same kind of loss every time
+            check_loss(loss)
+            checked = True
         step.backward(loss)
         step.update()
-        return {"loss": loss, **parts}
+        if parts:
+            return {"loss": loss, **check_values(parts, "task.loss_fn's parts")}
+        return {"loss": loss}
 
     return train_step
+
+
+def check_loss(loss: Any) -> None:
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise UsageError(f"task.loss_fn must return the batch's mean loss as a scalar tensor "
+                         f"that requires grad; it returned {shape}", everywhere=True)
 
 
 def check_values(values: Any, where: str) -> dict[str, torch.Tensor]:
