@@ -228,11 +228,13 @@ class LogStats:
                  queued: bool) -> None:
         self.signum, self.record, self.names = signum, record, list(sums)
         rank, world, k = dist.get_rank(), dist.get_world_size(), len(sums)
-        host = [float(signum is not None), *(float(counts[n]) for n in self.names)]
-        host += [0.0] * 2 * world
-        host[1 + k + rank], host[1 + k + world + rank] = peak_memory_mb(device)
-        stats = torch.cat([torch.stack([v.float() for v in sums.values()]).to(comm_device),
-                           torch.tensor(host).to(comm_device, non_blocking=True)])
+        # [sums, stop, counts, peak memory]: filled where it lives, with no copy from host memory
+        # (one from pageable memory would make the host wait for the GPU).
+        stats = torch.zeros(2 * k + 1 + 2 * world, device=comm_device)
+        for i, name in enumerate(self.names):
+            stats[i], stats[k + 1 + i] = sums[name], counts[name]
+        stats[k] = float(signum is not None)
+        stats[2 * k + 1 + rank], stats[2 * k + 1 + world + rank] = peak_memory_mb(device)
         self.work = dist.all_reduce(stats, async_op=True)
         self.copied: torch.cuda.Event | None = None
         if queued:
