@@ -7,6 +7,7 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -174,6 +175,19 @@ def kill_a_worker_once_saved(cmd: list[str], cwd: Path, checkpoint_dir: Path, st
     workers = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()
     os.kill(int(workers[worker]), signal.SIGKILL)
     job.communicate(timeout=120)
+
+
+def project_with_task(folder: Path, task: str) -> Path:
+    """A copy of the project in `folder`/project whose task.py is `task` (run it with PYTHONPATH
+    set to the copy)."""
+    root = folder / "project"
+    root.mkdir()
+    shutil.copy(PROJECT_ROOT / "train.py", root)
+    package = "{{ cookiecutter.package_name }}"
+    shutil.copytree(PROJECT_ROOT / package, root / package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (root / package / "task.py").write_text(task)
+    return root
 
 
 def assert_same_model(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:

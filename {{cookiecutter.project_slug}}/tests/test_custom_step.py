@@ -5,7 +5,6 @@ parts, and a run killed with SIGKILL resumes to an uninterrupted run's state bit
 
 from __future__ import annotations
 
-import shutil
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ from conftest import (
     needs_numpy,
     ok,
     one_error,
+    project_with_task,
     read_metrics,
     run_cmd,
     summary,
@@ -27,7 +27,6 @@ from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints
 
 pytestmark = pytest.mark.full  # the slow tier: pytest --full
 
-PACKAGE = "{{ cookiecutter.package_name }}"
 DOC = (PROJECT_ROOT / "docs/custom-step.md").read_text()
 # Each example: its section's heading, the values it logs, and short-run flags.
 EXAMPLES = {
@@ -44,17 +43,6 @@ def example(name: str) -> str:
     """The example's task.py: the first python block of its section, as written."""
     section = DOC.split(EXAMPLES[name][0], 1)[1]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
-
-
-def project_with(tmp_path, task: str):
-    """A copy of the project whose task.py is `task`."""
-    root = tmp_path / "project"
-    root.mkdir()
-    shutil.copy(PROJECT_ROOT / "train.py", root)
-    shutil.copytree(PROJECT_ROOT / PACKAGE, root / PACKAGE,
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    (root / PACKAGE / "task.py").write_text(task)
-    return root
 
 
 def assert_same_state(expected: dict, got: dict) -> None:
@@ -81,7 +69,7 @@ def flatten(tree, prefix: str = "") -> dict:
 @pytest.mark.parametrize("layout", ["data_parallel", pytest.param("fsdp", marks=needs_numpy)])
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_an_example_step_logs_its_parts_and_resumes_bit_for_bit(tmp_path, name, layout):
-    project = project_with(tmp_path, example(name))
+    project = project_with_task(tmp_path, example(name))
     _, parts, flags = EXAMPLES[name]
     args = [*RUN, *flags, "--model-layout", layout]
 
@@ -102,7 +90,7 @@ def test_an_example_step_logs_its_parts_and_resumes_bit_for_bit(tmp_path, name, 
 @pytest.mark.nccl
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_gan_trains_in_fp16_with_one_loss_scale(tmp_path):
-    project = project_with(tmp_path, example("gan"))
+    project = project_with_task(tmp_path, example("gan"))
     ok(run_cmd([sys.executable, "train.py", *RUN, *EXAMPLES["gan"][2], "--precision", "fp16",
                 "--backend", "nccl"], project, gpus=True, PYTHONPATH=str(project)))
     state = load_state(list_checkpoints(project / "checkpoints")[0])
@@ -130,7 +118,7 @@ def test_a_mistaken_step_is_one_error_line_and_leaves_no_checkpoint(tmp_path, mi
     (old, new), says = MISTAKES[mistake]
     task = example("teacher")
     assert old in task
-    project = project_with(tmp_path, task.replace(old, new, 1))
+    project = project_with_task(tmp_path, task.replace(old, new, 1))
     line = one_error(run_cmd([sys.executable, "train.py", *RUN, *EXAMPLES["teacher"][2]],
                              project, PYTHONPATH=str(project)))
     assert says in line

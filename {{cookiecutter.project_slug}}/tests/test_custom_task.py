@@ -5,17 +5,16 @@ project, and trains, evaluates and resumes exactly under torchrun with no other 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 
 import pytest
 from conftest import (
-    PROJECT_ROOT,
     assert_same_model,
     final_model,
     load_state,
     needs_numpy,
     ok,
+    project_with_task,
     read_metrics,
     run_cmd,
     summary,
@@ -25,8 +24,6 @@ from conftest import (
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints
 
 pytestmark = pytest.mark.full  # the slow tier: pytest --full
-
-PACKAGE = "{{ cookiecutter.package_name }}"
 
 CUSTOM_TASK = '''
 """A user's task: which of two noisy 8-dim clusters a point is from, as dicts all the way."""
@@ -117,13 +114,7 @@ ARGS = ["--no-progress", "--dataset-size", "400", "--batch-size", "16", "--hidde
 @pytest.fixture
 def custom_project(tmp_path):
     """A copy of the project whose task.py is the one above."""
-    root = tmp_path / "project"
-    root.mkdir()
-    shutil.copy(PROJECT_ROOT / "train.py", root)
-    shutil.copytree(PROJECT_ROOT / PACKAGE, root / PACKAGE,
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    (root / PACKAGE / "task.py").write_text(CUSTOM_TASK)
-    return root
+    return project_with_task(tmp_path, CUSTOM_TASK)
 
 
 @pytest.mark.parametrize("layout", ["data_parallel", "model_parallel_2",

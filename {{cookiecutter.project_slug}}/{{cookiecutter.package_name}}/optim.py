@@ -103,7 +103,7 @@ class Optimization:
     def update(self, name: str | None = None) -> None:
         """Optimizer `name` steps (the only one when None): clip its true gradients, step, zero
         them, then its schedule."""
-        name = self.only if name is None and len(self.optimizers) == 1 else self.named(name)
+        name = self.named(name)
         optimizer = self.optimizers[name]
         if self.cfg.clip_grad > 0:
             self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones

@@ -34,13 +34,15 @@ class Step:
     optimizers  the optimizers by name: "default", or the names task.configure_optimizer gives
     cfg         the run's Config
     number      the optimizer steps taken before this one (the first step is 0)
+    autocast()  around forward passes: --precision's autocast (nothing in fp32)
+    and backward(loss) and update(name), below.
     """
 
     def __init__(self, model: nn.Module, module: nn.Module, optim: Optimization,
                  cfg: Config) -> None:
         self.model, self.module, self.cfg, self.optim = model, module, cfg, optim
         self.optimizers = optim.optimizers
-        self.autocast = optim.autocast  # around forward passes: --precision's (fp32: nothing)
+        self.autocast = optim.autocast
         self.number, self.weight, self.last = 0, 1.0, True
 
     def begin(self, number: int, weight: float, last: bool) -> None:
