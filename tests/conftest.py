@@ -91,7 +91,7 @@ def expected_files(package: str, answers: dict) -> set[str]:
     }
     files |= {f"tests/{name}.py" for name in (
         "conftest", "hosts", "test_backstop", "test_checkpoint", "test_config", "test_custom_step", "test_custom_task",
-        "test_data",
+        "test_data", "test_doc_commands",
         "test_distributed", "test_docs", "test_ema", "test_features", "test_hangs", "test_hsdp", "test_launchers",
         "test_layouts", "test_mistakes", "test_nccl", "test_network", "test_object_storage", "test_plan",
         "test_recovery", "test_task", "test_tracker", "test_train", "s3server")}

@@ -292,8 +292,9 @@ def test_each_tracker_works_through_its_own_dependency(tmp_path, torch_venv, qui
 
 
 # Other answers, in the template's own Python: each other example task, baked with other answers,
-# runs its own tests, the end-to-end tests (whose outcome depends on the answers) and its default
-# layout's end-to-end test with that task (the default project's suite runs every layout).
+# runs its own tests, its docs' commands, the end-to-end tests (whose outcome depends on the
+# answers) and its default layout's end-to-end test with that task (the default project's suite
+# runs every layout).
 LAYOUT_TESTS = {"fsdp": "split_model or fsdp_trains",
                 "model_parallel_2": "split_model or model_parallel_layout"}
 SUITES = [
@@ -311,6 +312,6 @@ def test_other_tasks_and_answers_pass_their_tests(tmp_path, answers):
     # test_train's resume tests are left to the default project's suite: resuming with these
     # layouts is checked by the layout tests below.
     check_ok(run([*pytest_, "tests/test_task.py", "tests/test_train.py", "tests/test_config.py",
-                  "-k", "not resume"], project, timeout=900))
+                  "tests/test_doc_commands.py", "-k", "not resume"], project, timeout=900))
     check_ok(run([*pytest_, "tests/test_layouts.py", "-k", LAYOUT_TESTS[answers["model_layout"]]],
                  project, timeout=600))

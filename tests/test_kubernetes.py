@@ -786,6 +786,7 @@ def test_dockerfile_structure(bake):
 
     ignored = dockerignore_patterns(project)
     for rel in (".git/config", "checkpoints/ckpt_step00000016.pt", "runs/latest/metrics.jsonl",
+                "checkpoints-images/ckpt_step00000003.pt",
                 "pkg/__pycache__/x.pyc"):
         assert dockerignored(rel, ignored), rel
     for rel in ("pyproject.toml", "requirements.txt", "train.py", "pkg/loop.py"):

@@ -69,6 +69,9 @@ class S3Server:
         return boto3.client(service, endpoint_url=self.endpoint, region_name="us-east-1",
                             aws_access_key_id=self.key_id, aws_secret_access_key=self.secret)
 
+    def make_bucket(self, name: str) -> None:
+        self._client("s3").create_bucket(Bucket=name)
+
     def env(self, endpoint: str | None = None) -> dict[str, str]:
         return {"AWS_ENDPOINT_URL": endpoint or self.endpoint, "AWS_ACCESS_KEY_ID": self.key_id,
                 "AWS_SECRET_ACCESS_KEY": self.secret, "AWS_DEFAULT_REGION": "us-east-1"}

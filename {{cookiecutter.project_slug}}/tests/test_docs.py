@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 import io
 import re
+import shlex
 import tokenize
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -470,3 +471,80 @@ def test_the_flags_reference_is_the_declarations():
     table = doc.split("<!-- flags table -->\n", 1)[1].split("\n<!-- end of flags table -->", 1)[0]
     expected = flags_table()
     assert table == expected, f"docs/configuration.md's flags table should be:\n{expected}"
+
+
+# --- shell blocks: tests/test_doc_commands.py runs them, or they say why not ----------------------
+
+NOT_RUN = re.compile(r"<!--\s*not run by the tests:\s*(.+?)\s*-->")
+# What test_doc_commands.py runs (pip and pytest lines it checks: they install, or are this suite).
+RUNS_HERE = {"python", "torchrun", "ls", "train_local.sh", "pip", "pytest"}
+
+
+@dataclass
+class Block:
+    """A fenced shell block: its commands (continuations joined), and why it is not run, from the
+    `<!-- not run by the tests: why -->` line just above it."""
+
+    source: Path
+    line: int
+    commands: list[str]
+    why_not: str | None
+
+    def where(self) -> str:
+        return f"{self.source.relative_to(PROJECT_ROOT)}:{self.line}"
+
+
+def shell_blocks(path: Path) -> list[Block]:
+    blocks: list[Block] = []
+    above, body, language, start, mark = "", None, "", 0, None
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        stripped = line.strip()
+        if body is not None and stripped.startswith("```"):
+            if language in {"bash", "sh", "shell"}:
+                text = "\n".join(body).replace("\\\n", " ")
+                blocks.append(Block(path, start, [c.strip() for c in text.splitlines()
+                                                  if c.strip()], mark and mark.group(1)))
+            body = None
+        elif body is not None:
+            body.append(line)
+        elif stripped.startswith("```"):
+            language, body, start = stripped[3:].strip(), [], number + 1
+            mark = NOT_RUN.fullmatch(above)
+        if stripped:
+            above = stripped
+    return blocks
+
+
+def command_words(command: str) -> tuple[dict[str, str], list[str]]:
+    """A command line's leading VAR=value assignments, and its words (its comment left out)."""
+    words = shlex.split(command, comments=True)
+    env = {}
+    while words and re.fullmatch(r"[A-Za-z_]\w*=.*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    return env, words
+
+
+def extras() -> set[str]:
+    section = (PROJECT_ROOT / "pyproject.toml").read_text(encoding="utf-8").split(
+        "[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    return set(re.findall(r"^([\w-]+) = \[", section, re.MULTILINE))
+
+
+def test_every_shell_block_runs_in_the_suite_or_says_why_not():
+    """tests/test_doc_commands.py runs each command of a block not marked: one it could not run
+    (a cluster's tool, a job in the background, a pipe) needs its block marked with the reason.
+    A `pip install -e ".[extra]"` names extras that pyproject.toml has."""
+    problems = []
+    for path in MARKDOWN:
+        for block in (b for b in shell_blocks(path) if not b.why_not):
+            for command in block.commands:
+                _, words = command_words(command)
+                name = words[0].rsplit("/", 1)[-1] if words else ""
+                if name not in RUNS_HERE or {"&", "&&", "|", "||", ";"} & set(words):
+                    problems.append(f"{block.where()}: {command}")
+                for extra in re.findall(r"\.\[([\w,-]+)\]", command) if name == "pip" else []:
+                    problems += [f"{block.where()}: no extra {e!r}" for e in extra.split(",")
+                                 if e not in extras()]
+    assert not problems, ("tests/test_doc_commands.py cannot run these: mark each block with "
+                          "`<!-- not run by the tests: why -->`\n" + "\n".join(problems))

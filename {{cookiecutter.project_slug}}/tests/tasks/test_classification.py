@@ -38,12 +38,12 @@ def test_learns_far_better_than_chance(workdir):
     assert final["val_accuracy"] > 5 / task.SYNTHETIC_CLASSES  # chance is 1 / classes
 
 
-def write_image_folder(root, per_class: int = 40) -> None:
+def write_image_folder(root, per_class: int = 40, classes=("class0", "class1")) -> None:
     """Two classes told apart by colour, at a size the model resizes (24 x 20), in the formats
     image folders hold: JPEG, PNG, and a PNG in grey."""
     g = torch.Generator().manual_seed(0)
-    for label, colour in enumerate([(200, 40, 40), (40, 40, 200)]):
-        folder = root / f"class{label}"
+    for name, colour in zip(classes, [(200, 40, 40), (40, 40, 200)], strict=True):
+        folder = root / name
         folder.mkdir(parents=True)
         for i in range(per_class):
             noise = torch.randint(-40, 40, (3, 20, 24), generator=g)
@@ -55,6 +55,13 @@ def write_image_folder(root, per_class: int = 40) -> None:
             else:
                 image.save(folder / f"{i:03d}.{'jpg' if i % 2 else 'png'}")
         (folder / "notes.txt").write_text("not an image: skipped, as ImageFolder does")
+
+
+def doc_inputs(root: Path) -> list[str]:
+    """What the docs' commands read (tests/test_doc_commands.py): the README's data/train, and
+    images for scripts/predict.py's INPUT."""
+    write_image_folder(root / "data/train", 8, ("cat", "dog"))
+    return ["data/train/cat/001.jpg", "data/train/dog/002.png"]
 
 
 def test_image_folder_is_decoded_one_image_at_a_time_by_worker_processes(workdir):

@@ -7,6 +7,7 @@ your own task, replace these with tests of yours; every other test keeps working
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,11 @@ from {{ cookiecutter.package_name }}.config import parse_args
 
 GPT2_SMALL = ["--hidden-size", "768", "--num-layers", "12", "--num-heads", "12", "--seq-len",
               "1024", "--vocab-size", "50304", "--tie-embeddings"]
+
+
+def doc_inputs(root: Path) -> list[str]:
+    """What scripts/predict.py's INPUT is in the docs (tests/test_doc_commands.py): prompts."""
+    return ["To be", "The "]
 
 
 def test_perplexity_falls_far_below_guessing(workdir):

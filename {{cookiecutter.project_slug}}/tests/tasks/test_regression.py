@@ -7,12 +7,18 @@ own task, replace these with tests of yours; every other test of the project kee
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 from conftest import PROJECT_ROOT, ok, one_error, python_train, read_metrics, run_cmd, torchrun
 
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.config import parse_args
+
+
+def doc_inputs(root: Path) -> list[str]:
+    """What scripts/predict.py's INPUT is in the docs (tests/test_doc_commands.py): rows."""
+    return [",".join(["0.5"] * task.IN_FEATURES), ",".join(["-1"] * task.IN_FEATURES)]
 
 
 def test_learns_far_better_than_predicting_the_mean(workdir):
