@@ -1,11 +1,23 @@
 """Every pointer of a baked project's docs and comments (files, sections, flags) exists in that
-bake: its own tests/test_docs.py passes for every answer set of the pairwise set."""
+bake: its own tests/test_docs.py passes for every answer set of the pairwise set. And the words of
+an answer (its tools, scripts and files) appear only in the bakes that chose it."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from conftest import PYTHON, answers_id, pairwise_combinations, run
+
+# What only a bake with the answer may say, in its docs, scripts and package: an answer's own
+# tools and files. (Every bake detects SLURM and Kubeflow's pods at run time, and handles their
+# signals: those words stay.)
+ANSWER_WORDS = {
+    ("slurm", False): ["sbatch", "scripts/slurm"],
+    ("kubernetes", False): ["kubectl", "k8s/", "Dockerfile", "docker build"],
+    ("windows_support", False): ["powershell", "train_windows", ".ps1"],
+    ("fault_tolerance", "none"): ["torchft", "lighthouse", "train_ft", "REPLICA_GROUP_ID"],
+}
 
 
 def test_docs_point_at_what_the_bake_has(bake):
@@ -21,3 +33,20 @@ def test_docs_point_at_what_the_bake_has(bake):
     failed = {name: r.stdout[-3000:] + r.stderr[-1000:] for name, r in results.items()
               if r.returncode != 0}
     assert not failed, "\n\n".join(f"{name}:\n{out}" for name, out in failed.items())
+
+
+def test_an_answers_words_appear_only_where_it_was_chosen(bake):
+    found = []
+    for answers in pairwise_combinations():
+        project = bake(**answers)
+        files = [project / "README.md", *(project / "docs").glob("*.md"),
+                 *(p for p in (project / "scripts").rglob("*") if p.is_file()),
+                 *Path(project).glob("*/**/*.py")]
+        texts = {f.relative_to(project).as_posix(): f.read_text() for f in files
+                 if not f.relative_to(project).as_posix().startswith("tests/")}
+        for (name, value), words in ANSWER_WORDS.items():
+            if answers[name] != value:
+                continue
+            found += [f"{answers_id(answers)}: {path} says {word!r}" for path, text in texts.items()
+                      for word in words if word in text]
+    assert not found, "\n".join(found)
