@@ -240,6 +240,33 @@ def test_fsdp_checkpoint_exports_to_the_plain_model(workdir):
 
 @pytest.mark.parametrize("layout", ["data_parallel",
                                     pytest.param("fsdp", marks=needs_numpy)])
+def test_a_background_save_that_fails_on_a_local_disk_is_one_line(workdir, layout):
+    """The checkpoint folder turns into a file once the first save is there: a background save
+    fails, and the run stops with one line naming the newest complete one, no thread traceback."""
+    flags = [*QUICK, "--epochs", "1000", "--save-every-steps", "4", "--model-layout", layout,
+             "--async-save", "--no-progress"]
+    job = subprocess.Popen([*torchrun_cmd(2), TRAIN, *flags], cwd=workdir, env=child_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    folder = workdir / "checkpoints"
+    first = checkpoint_path(folder, 4, sharded=layout == "fsdp")
+    deadline = time.monotonic() + 120
+    while not (first.is_file() or (first / ".metadata").is_file()):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.05)
+    folder.rename(workdir / "moved")
+    folder.write_text("not a folder any more")
+    out, err = job.communicate(timeout=120)
+    result = subprocess.CompletedProcess(job.args, job.returncode, out, err)
+    line = one_error(result)
+    assert "Exception in thread" not in err, err
+    newest = Path(line.split("the newest complete checkpoint is ")[1].split(";")[0].strip())
+    assert newest.parent.name == "checkpoints", line  # the run went on meanwhile: 4 or later
+    assert (workdir / "moved" / newest.name).exists(), line
+
+
+@pytest.mark.parametrize("layout", ["data_parallel",
+                                    pytest.param("fsdp", marks=needs_numpy)])
 def test_async_save_trains_on_while_writing_and_reports_the_stall(workdir, layout):
     flags = [*QUICK, "--epochs", "2", "--save-every-steps", "2", "--model-layout", layout]
     ok(torchrun([*flags, "--async-save"], workdir))

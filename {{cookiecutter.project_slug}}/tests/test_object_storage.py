@@ -186,15 +186,16 @@ def test_sigterm_saves_to_the_bucket_before_the_process_leaves(tmp_path, example
 
 
 @pytest.mark.parametrize("layout, extra", [("data_parallel", []),
+                                           ("data_parallel", ["--async-save"]),
                                            pytest.param("fsdp", ["--async-save"],
                                                         marks=needs_numpy)])
 def test_an_upload_that_keeps_failing_stops_the_run_naming_the_newest_complete_checkpoint(
         tmp_path, example_task, s3, layout, extra):
-    """Storage that refuses the second checkpoint's writes: one line naming the first (with fsdp
-    and --async-save the shards are written by a thread: no thread traceback either)."""
+    """Storage that refuses the second checkpoint's writes: one line naming the first (with
+    --async-save a thread writes: no thread traceback either)."""
     from s3server import Proxy
 
-    url = f"s3://bkt/failing-{layout}"  # apart: a run resumes from what another left there
+    url = f"s3://bkt/failing-{layout}{len(extra)}"  # apart: a run resumes from what is there
     proxy = Proxy(("127.0.0.1", s3.port), refuse_word="ckpt_step00000016")
     try:
         started = time.monotonic()

@@ -134,8 +134,9 @@ def write_file(state: dict[str, Any], path: AnyPath, newest: str = "",
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as either
         why = exc.__context__ if isinstance(exc, RuntimeError) and exc.__context__ else exc
         why = getattr(why, "strerror", None) or str(why).strip().splitlines()[0]
-        raise RunFailure(f"cannot write checkpoint {path} ({why}); free space or choose another "
-                         "--checkpoint-dir") from None
+        fallback = f"{newest}; " if newest else ""
+        raise RunFailure(f"cannot write checkpoint {path} ({why}); {fallback}free space or "
+                         "choose another --checkpoint-dir") from None
     finally:
         try:
             tmp.unlink(missing_ok=True)
