@@ -11,8 +11,7 @@ a bandwidth measurement with a short timeout. Exit 0 and `OK`, or exit 1 and a `
 says what to fix. It accepts the same flags as train.py.
 
 With --plan it starts no process group: it prints what the run with these flags needs on each GPU
-at --world-size processes, per layout, and every setting that is wrong at that size (plan.py).
-"""
+at --world-size processes, per layout, and every setting that is wrong at that size (plan.py)."""
 
 from __future__ import annotations
 
@@ -136,8 +135,7 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--world-size", type=number("int", 1), default=None, metavar="N",
                    help="--plan: the run's number of processes")
     g.add_argument("--gpu-memory-gb", type=number("float", 0, above=True), default=80.0,
-                   metavar="GB",
-                   help="--plan: memory of each GPU (80: an 80 GB A100 or H100)")
+                   metavar="GB", help="--plan: memory of each GPU (80: an 80 GB A100 or H100)")
     g.add_argument("--nproc-per-node", type=number("int", 1), default=8, metavar="N",
                    help="--plan: processes per node (fsdp's --shard-group-size 0 takes a node)")
 

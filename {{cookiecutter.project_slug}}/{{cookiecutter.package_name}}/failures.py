@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -171,18 +172,14 @@ class PeerErrors:
 
     def announce(self) -> None:
         """Say where this rank runs, so a peer can name the host of a rank that went silent."""
-        try:
+        with suppress(Exception):
             bounded(lambda: self.store.set(f"host/{self.rank}", self.host), RECORD_S)
-        except Exception:
-            pass
 
     def record(self, message: str, kind: str) -> None:
         """Leave this rank's error and kind for its peers (best effort: the store may be gone)."""
-        try:
+        with suppress(Exception):
             bounded(lambda: self.store.set(f"error/{self.rank}",
                                            f"{self.host}\n{kind}\n{message}"), RECORD_S)
-        except Exception:
-            pass
 
     def _look(self, wait_s: float, closed: bool) -> ProjectError | list[str]:
         """A peer's own error, or the ranks that did not mark the failure within `wait_s`."""

@@ -9,8 +9,7 @@
   (HSDP, a 2-D mesh): the all-gathers stay inside a node, only gradients cross the network.
 
 A model tells the last two layouts where its blocks are through `blocks(model)` in task.py (a
-plain `nn.Sequential` needs nothing: its children are its blocks).
-"""
+plain `nn.Sequential` needs nothing: its children are its blocks)."""
 
 from __future__ import annotations
 
@@ -120,8 +119,7 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
     # reaches the generator): DDP then finds them after each forward (docs/custom-step.md).
     unused = cfg.find_unused_parameters or hasattr(task, "train_step")
     wrapped: nn.Module = DDP(model, device_ids=[devices[0]] if single_cuda else None,
-                             find_unused_parameters=unused,
-                             static_graph=cfg.static_graph,
+                             find_unused_parameters=unused, static_graph=cfg.static_graph,
                              gradient_as_bucket_view=cfg.gradient_as_bucket_view, **buckets)
     return torch.compile(wrapped) if cfg.compile else wrapped
 

@@ -3,8 +3,7 @@
 It decides its own cadence, as torchtitan's checkpointer does: every --save-every epochs at an
 epoch's end, every --save-every-steps steps, the step of a new best evaluation (--keep-best), and
 the last step of the run. Every rank's random state goes into a checkpoint; rank 0 writes the file
-(fsdp: every rank writes its shards), and every rank learns whether that worked before going on.
-"""
+(fsdp: every rank writes its shards), and every rank learns whether that worked before going on."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class Checkpointer:
     until the interpreter exits, where their shutdown can hang."""
 
     def __init__(self, cfg: Config, world: World, model: nn.Module, optim: Optimization,
-                 device: torch.device,
-                 comm_device: torch.device, lifeline: Lifeline,
+                 device: torch.device, comm_device: torch.device, lifeline: Lifeline,
                  comm_hook: PowerSGD | None = None) -> None:
         self.cfg, self.world, self.model, self.optim = cfg, world, model, optim  # model: unwrapped
         self.device, self.comm_device = device, comm_device

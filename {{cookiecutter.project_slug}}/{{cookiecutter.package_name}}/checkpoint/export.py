@@ -1,7 +1,6 @@
 """Exports: any checkpoint (file, folder, URL) as one file that loads with `weights_only=True`.
 
-    python -m {{ cookiecutter.package_name }}.checkpoint export SRC OUT.pt
-"""
+    python -m {{ cookiecutter.package_name }}.checkpoint export SRC OUT.pt"""
 
 from __future__ import annotations
 

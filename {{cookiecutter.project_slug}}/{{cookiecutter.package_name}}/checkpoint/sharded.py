@@ -6,8 +6,7 @@ folder and reads them back on any number of ranks, resharding as needed. A folde
 a temporary name; rank 0 adds `meta.json` and renames it once DCP has written its `.metadata`
 (the last file, after every rank's data), so a folder with the real name is always complete.
 In object storage (no rename) the folder is written under its real name, and `meta.json`, written
-last, is what makes it complete.
-"""
+last, is what makes it complete."""
 
 from __future__ import annotations
 
@@ -22,11 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ..failures import RunFailure, agree
 from . import storage
@@ -180,8 +175,7 @@ def _reusable_stager(device: torch.device) -> Any:
     By default `async_save` copies the state into newly allocated CPU memory at every save, on
     the training thread: about 2 s for 2.7 GB from an H100, most of the stall. This one allocates
     once (pinned on a GPU) and only copies afterwards. Safe because the next save first waits for
-    the previous one, which still reads the copy. None where torch has no such stager (< 2.9).
-    """
+    the previous one, which still reads the copy. None where torch has no such stager (< 2.9)."""
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:

@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 STOP_GRACE_S = 4.5  # a stop signal ends a starting or waiting process within 5 s
@@ -86,10 +87,8 @@ class Backstop:
     def tell(self, *words: object) -> None:
         """One command line: `arm DEADLINE PHASE WHAT`, `disarm`, `phase NAME`, `hint TEXT`."""
         line = " ".join(str(w).replace("\n", " ") for w in words) + "\n"
-        try:
+        with suppress(OSError):
             os.write(self._commands, line.encode())
-        except OSError:
-            pass
 
     def claim_last_word(self) -> bool:
         """True for the first of this process and its watchdog to ask: it prints the error."""
@@ -227,10 +226,8 @@ class Watchdog:
                 self._write_stacks()
         else:  # the lifeline thread is ending the process: give it a moment
             select.select([self.commands], [], [], 2.0)
-        try:
+        with suppress(OSError):
             os.kill(self.worker, signal.SIGKILL)
-        except OSError:
-            pass
         sys.exit(0)
 
     def _write_stacks(self) -> None:
@@ -248,11 +245,9 @@ class Watchdog:
                 chunks.append(data)
             elif chunks:
                 break  # the dump is written in one go: a pause means it is over
-        try:
+        with suppress(OSError):
             self.stacks_path.parent.mkdir(parents=True, exist_ok=True)
             self.stacks_path.write_bytes(b"".join(chunks))
-        except OSError:
-            pass
 
 
 def main(argv: list[str]) -> None:

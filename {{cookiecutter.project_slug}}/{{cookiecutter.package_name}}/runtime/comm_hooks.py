@@ -212,8 +212,7 @@ class PowerSGD:
                     f"{saved['values'].shape[0]} processes")
         import numpy as np
         keys, pos, has_gauss, gauss = saved["rng"]
-        self.state.rng.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss,
-                                  gauss))
+        self.state.rng.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
         self.state.iter = saved["iter"]
         same_rank = saved["rank"] == self.state.matrix_approximation_rank
         values, offset, self.pending = saved["values"][rank], 0, {}

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from .backstop import MARGIN_S, SAME_EVENT_S, Backstop
@@ -154,10 +154,8 @@ class Lifeline:
                 self._backstop.tell("disarm")
 
     def _poke(self) -> None:
-        try:
+        with suppress(BlockingIOError):
             self._writer.send(b"\0")
-        except BlockingIOError:
-            pass
 
     # ------------------------------------------------------------------ watcher thread
     def _watch(self) -> None:
@@ -204,8 +202,6 @@ class Lifeline:
         if not self._backstop or self._backstop.claim_last_word():
             _say(line)
         for cleanup in self.cleanups:
-            try:
+            with suppress(Exception):
                 cleanup()
-            except Exception:
-                pass
         os._exit(code)

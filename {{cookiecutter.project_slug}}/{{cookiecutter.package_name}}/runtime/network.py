@@ -16,6 +16,7 @@ import socket
 import struct
 import sys
 from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,20 +33,16 @@ class Route:
 def _addresses(interface: str) -> set[str]:
     """The IPv4 and IPv6 addresses of one interface (Linux)."""
     found = set()
-    try:
+    with suppress(OSError, ImportError):  # no IPv4 address (0x8915: SIOCGIFADDR), or not Linux
         import fcntl
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             request = struct.pack("256s", interface[:15].encode())
             found.add(socket.inet_ntoa(fcntl.ioctl(probe.fileno(), 0x8915, request)[20:24]))
-    except (OSError, ImportError):  # no IPv4 address (0x8915: SIOCGIFADDR), or not Linux
-        pass
-    try:
+    with suppress(OSError):
         for line in Path("/proc/net/if_inet6").read_text().splitlines():
             fields = line.split()
             if fields[-1] == interface:
                 found.add(str(ipaddress.IPv6Address(bytes.fromhex(fields[0]))))
-    except OSError:
-        pass
     return found
 
 
@@ -60,10 +57,8 @@ def route_to(host: str) -> Route | None:
         return None
     local = local.split("%", 1)[0]
     loopback, interface = ipaddress.ip_address(local).is_loopback, ""
-    try:
+    with suppress(OSError):
         interface = next((n for _, n in socket.if_nameindex() if local in _addresses(n)), "")
-    except OSError:
-        pass
     return Route(interface, local, loopback)
 
 

@@ -1,6 +1,5 @@
 """Batches copied to a GPU ahead of the step that uses them (data.py's loaders on a GPU), and
-`apply_to_tensors`, which maps a function over the tensors of a batch.
-"""
+`apply_to_tensors`, which maps a function over the tensors of a batch."""
 
 from __future__ import annotations
 

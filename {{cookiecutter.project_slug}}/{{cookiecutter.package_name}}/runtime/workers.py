@@ -1,6 +1,5 @@
 """Data-loader worker processes (`--num-workers N`): the DataLoader that runs data.py's fetcher in
-them, their start from a forkserver, and the launcher's stop signals held away from them.
-"""
+them, their start from a forkserver, and the launcher's stop signals held away from them."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ from torch.utils.data import DataLoader
 # process, which then saves at its next log step: a data worker (or the forkserver that starts
 # them) ended by one would take the batches that step needs with it. Blocked, not ignored, so
 # the worker's stop signals wait in the kernel and SIGKILL still ends it.
-WORKER_BLOCKED = {getattr(signal, name) for name in ("SIGTERM", "SIGUSR1")
-                  if hasattr(signal, name)}
+WORKER_BLOCKED = {getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)}
 
 
 def worker_loader(fetcher: Any, batches: Any, num_workers: int, pin_memory: bool) -> DataLoader:
@@ -68,17 +66,15 @@ def worker_context() -> Any:
 
     The server imports torch once and forks each worker from that; started at launch, its
     import (1-2 s) runs while this process joins its peers and builds the data and the model,
-    instead of holding up the first batch.
-    """
+    instead of holding up the first batch."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return None
     multiprocessing.set_forkserver_preload(["torch"])  # workers start with torch imported
     context = multiprocessing.get_context("forkserver")
     # The server inherits the blocked stop signals across its exec, and its workers from it: a
     # SIGTERM that reaches it before a worker's worker_init runs is held too. Here they wait
-    # only for as long as the server takes to start, then are delivered.
-    # The resource tracker too, which the server needs: starting it unblocks SIGTERM, hence the
-    # block before each.
+    # only for as long as the server takes to start, then are delivered. The resource tracker
+    # too, which the server needs: starting it unblocks SIGTERM, hence the block before each.
     old = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_BLOCKED)
     try:
         for server in (resource_tracker, forkserver):
