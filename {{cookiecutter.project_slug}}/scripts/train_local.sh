@@ -5,13 +5,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
-if [[ -z "${NPROC:-}" ]]; then
-  # One process per GPU (per two GPUs with model_parallel_2), or 2 CPU processes: as the doctor says.
-  NPROC=$("$PYTHON" -c "import torch
-from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT
+for arg in "$@"; do
+  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then exec "$PYTHON" train.py --help; fi
+done
+# The flags are checked once, before any process starts: a mistake is one error line (exit 2), not
+# one a restart. Then the processes this machine takes, as the doctor says: one per GPU (per two
+# GPUs with --model-layout model_parallel_2), or 2 CPU processes.
+COUNT=$("$PYTHON" - "$@" <<'EOF'
+import sys
+import torch
+from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.doctor import processes_per_node
-print(processes_per_node(torch.cuda.device_count(), DEFAULT_MODEL_LAYOUT))")
-fi
+cfg = parse_args(sys.argv[1:], getattr(task, "Settings", None), warn=False)  # the run warns
+print(processes_per_node(torch.cuda.device_count(), cfg.model_layout))
+EOF
+)
+NPROC=${NPROC:-$COUNT}
 {% if cookiecutter.launcher == "torchrun" -%}
 # torchrun (`python -m torch.distributed.run` is the same program, of this Python).
 # --standalone: a private rendezvous on a free port, so several jobs can share the machine.

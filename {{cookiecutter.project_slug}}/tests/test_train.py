@@ -108,3 +108,15 @@ def test_local_script_trains_with_the_chosen_launcher(workdir, bin_dir):
                PATH=path_with(bin_dir), NPROC="2", PYTHON=sys.executable))
     done = summary(workdir / "runs")
     assert done["world_size"] == 2 and done["launcher"] == "{{ cookiecutter.launcher }}"
+
+
+def test_a_bad_flag_to_the_local_script_is_one_line_before_any_process_starts(tmp_path, bin_dir):
+    """Checked once by the script: not once per process, nor again at each of torchrun's
+    restarts (--max-restarts 3), nor under the launcher's own report of a failed child."""
+    script = str(PROJECT_ROOT / "scripts/train_local.sh")
+    for flag in (["--epochs", "0"], ["--no-such-flag"]):
+        result = run_cmd(["bash", script, *flag], tmp_path, PATH=path_with(bin_dir),
+                         PYTHON=sys.executable)
+        assert result.returncode == 2 and result.stdout == "", result.stdout
+        assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, \
+            result.stderr

@@ -219,9 +219,9 @@ class Config:
         return int(first), int(last)
 
 
-def parse_args(argv: list[str] | None, settings: type | None) -> Config:
+def parse_args(argv: list[str] | None, settings: type | None, warn: bool = True) -> Config:
     """Flags (and --config) into a Config, with task.py's `Settings` (None: it declares none) in
-    `cfg.task`. Bad values exit with code 2 and one `error:` line."""
+    `cfg.task`. Bad values exit with code 2 and one `error:` line; `warn`: say what is unused."""
     parser, args, given = read_flags(argv, Config, settings)
     task_values = {key[5:]: args.pop(key) for key in list(args) if key.startswith("task.")}
     if args["run_name"]:  # several runs side by side, each resuming its own checkpoints
@@ -231,7 +231,7 @@ def parse_args(argv: list[str] | None, settings: type | None) -> Config:
     cfg = Config(**args, task=(settings or NoSettings)(**task_values), given=given)
     for problem in problems(cfg):
         parser.fail(problem)
-    if local_rank_from_env() == 0:
+    if warn and local_rank_from_env() == 0:
         for warning in unused_settings(cfg):
             print(f"warning: {warning}", file=sys.stderr, flush=True)
     return cfg
