@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -43,10 +44,27 @@ from {{ cookiecutter.package_name }}.runtime.rendezvous import (
     resolve_backend,
     resolve_rendezvous,
 )
-from {{ cookiecutter.package_name }}.runtime.workarounds import windows_env
+from {{ cookiecutter.package_name }}.runtime.workarounds import (
+    stop_agent_if_store_lost,
+    windows_env,
+)
 
 TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                 "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "abc"}
+
+
+def test_an_agent_is_stopped_only_where_the_jobs_store_is_gone():
+    """A node whose process ends by a deadline stops its torchrun agent when the store on the
+    head node takes no connection (the agent would wait on it forever), and only then."""
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with socket.socket() as store:
+        store.bind(("127.0.0.1", 0))
+        store.listen()
+        stop_agent_if_store_lost(agent.pid, "127.0.0.1", store.getsockname()[1])
+        assert agent.poll() is None
+        closed = store.getsockname()[1]
+    stop_agent_if_store_lost(agent.pid, "127.0.0.1", closed)  # nothing listens there now
+    assert agent.wait(timeout=10) == -9
 
 
 def test_torchrun_environment():

@@ -134,18 +134,34 @@ def cut_off(hosts, victim: int, workdir: Path, bin_dir: Path) -> tuple[list, flo
     cut = time.monotonic()
     while any(host.pids() for host in hosts):
         if time.monotonic() - cut > TIMEOUT_S + 10 + 5:
-            left = {host.address: host.pids() for host in hosts}
-            finish_quietly(nodes)
-            raise AssertionError(f"processes left {TIMEOUT_S + 15} s after the cut: {left}")
+            left = {host.address: [described(pid) for pid in host.pids()] for host in hosts}
+            outputs = finish_quietly(nodes)
+            raise AssertionError(f"processes left {TIMEOUT_S + 15} s after the cut: {left}\n"
+                                 + "\n".join(out[-3000:] for out in outputs))
         time.sleep(0.2)
     took = time.monotonic() - cut
     return finish(nodes, 30), took
 
 
-def finish_quietly(nodes):
+def finish_quietly(nodes) -> list[str]:
+    outputs = []
     for node in nodes:
         node.kill()
-        node.communicate()
+        try:
+            outputs.append("".join(node.communicate(timeout=30)))
+        except subprocess.TimeoutExpired:  # a process of its own still holds the output
+            outputs.append("(no output: a process of this node still holds it)")
+    return outputs
+
+
+def described(pid: int) -> str:
+    """A process as a failure names it: its pid, command line and what it waits in."""
+    try:
+        proc = Path(f"/proc/{pid}")
+        command = proc.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+        return f"{pid} ({command.strip()}; waiting in {proc.joinpath('wchan').read_text()})"
+    except OSError:
+        return str(pid)
 
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["a-worker-host", "the-head-host"])

@@ -42,7 +42,7 @@ from .rendezvous import (
     resolve_backend,
     resolve_rendezvous,
 )
-from .workarounds import exit_process, stop_stuck_agent
+from .workarounds import exit_process, stop_agent_if_store_lost, stop_stuck_agent
 from .workers import worker_context
 
 # What each process runs once it joined its group (main.work trains): the flags, the world, the
@@ -60,6 +60,12 @@ def launcher_pid(world: World) -> int:
     daemon. 0 for a process started by hand (`nohup python train.py` may outlive its shell)."""
     managed = world.launcher in ("spawn", "slurm") or "TORCHELASTIC_RUN_ID" in os.environ
     return os.getppid() if managed else 0
+
+
+def torchrun_agent_of_a_multinode_job(world: World) -> int:
+    """The pid of torchrun's agent where this node is one of several, else 0."""
+    several = world.launcher == "torchrun" and world.world_size > world.local_world_size
+    return launcher_pid(world) if several else 0
 
 
 @dataclass
@@ -100,6 +106,9 @@ def joined(cfg: Config, world: World, setup: Setup | None = None,
     unless given; `workers`: the data workers' server starts its imports now."""
     lifeline = Lifeline(world.rank, cfg.timeout_s, cfg.output_dir,  # signals count from here on
                         launcher_pid(world)).start()
+    if agent := torchrun_agent_of_a_multinode_job(world):  # a deadline may end this process
+        lifeline.cleanups.append(
+            lambda: stop_agent_if_store_lost(agent, world.master_addr, world.master_port))
     # After the watchdog started (it keeps the terminal for its own lines).
     keep_torch_messages_in(Path(cfg.output_dir) / f"torch-rank{world.rank}.log")
     if workers:
@@ -160,13 +169,15 @@ def run_and_report(cfg: Config, world: World, work: Work) -> int:
     try:
         result = run(cfg, world, work)
     except ProjectError as exc:
-        agent = launcher_pid(world) if world.launcher == "torchrun" else 0
-        if isinstance(exc, LostContact) and agent and world.world_size > world.local_world_size:
+        agent = torchrun_agent_of_a_multinode_job(world)
+        if isinstance(exc, LostContact) and agent:
             report_error(LostContact(f"{exc}. torchrun's agent on this node was stopped too: it "
                                      "waits on that store with no timeout"), world.local_rank)
             stop_stuck_agent(agent)
         else:
             report_error(exc, world.local_rank)
+            if agent:
+                stop_agent_if_store_lost(agent, world.master_addr, world.master_port)
         return 1
     except Exception:
         traceback.print_exc()  # a bug, not a known failure: the whole story

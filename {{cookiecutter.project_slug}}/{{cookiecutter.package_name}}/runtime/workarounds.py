@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -42,6 +43,16 @@ def stop_stuck_agent(agent_pid: int) -> None:
         os.kill(agent_pid, signal.SIGKILL)
     except OSError:
         pass
+
+
+def stop_agent_if_store_lost(agent_pid: int, host: str, port: int | None) -> None:
+    """stop_stuck_agent, for a process that ends another way (a deadline, another error) while
+    the job's store, on the head node beside the agent's own, takes no connection within 2 s."""
+    if port:
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+        except OSError:
+            stop_stuck_agent(agent_pid)
 
 
 def remove_file_store(store: dist.Store, path: Path, world_size: int) -> None:
