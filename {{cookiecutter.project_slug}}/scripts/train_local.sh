@@ -9,7 +9,7 @@ for arg in "$@"; do
   if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then exec "$PYTHON" train.py --help; fi
 done
 # The flags are checked once, before any process starts: a mistake is one error line (exit 2), not
-# one a restart. Then the processes this machine takes, as the doctor says: one per GPU (per two
+# one per restart. Then the processes this machine takes, as the doctor says: one per GPU (per two
 # GPUs with --model-layout model_parallel_2), or 2 CPU processes.
 COUNT=$("$PYTHON" - "$@" <<'EOF'
 import sys

@@ -3,6 +3,7 @@ how one rank's error reaches the others with its class."""
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
@@ -53,18 +54,32 @@ TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_
                 "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "abc"}
 
 
-def test_an_agent_is_stopped_only_where_the_jobs_store_is_gone():
-    """A node whose process ends by a deadline stops its torchrun agent when the store on the
-    head node takes no connection (the agent would wait on it forever), and only then."""
+@pytest.mark.parametrize("head", ["answers", "refuses", "is silent", "is unreachable"])
+def test_an_agent_is_stopped_only_where_the_head_node_is_gone(monkeypatch, head):
+    """A node whose process ends by a deadline stops its torchrun agent when the head node does
+    not answer (the agent would wait on its store forever); not when it answers or refuses."""
     agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    with socket.socket() as store:
-        store.bind(("127.0.0.1", 0))
-        store.listen()
-        stop_agent_if_store_lost(agent.pid, "127.0.0.1", store.getsockname()[1])
-        assert agent.poll() is None
-        closed = store.getsockname()[1]
-    stop_agent_if_store_lost(agent.pid, "127.0.0.1", closed)  # nothing listens there now
-    assert agent.wait(timeout=10) == -9
+    try:
+        with socket.socket() as store:
+            store.bind(("127.0.0.1", 0))
+            store.listen()
+            port = store.getsockname()[1]
+            if head != "answers":
+                store.close()  # nothing listens there: refused
+            if head in ("is silent", "is unreachable"):  # what a host cut off gives
+                gone = (TimeoutError() if head == "is silent"
+                        else OSError(errno.EHOSTUNREACH, "No route to host"))
+                monkeypatch.setattr(socket, "create_connection", lambda *a, **k: raise_(gone))
+            stop_agent_if_store_lost(agent.pid, "127.0.0.1", port)
+        stopped = head in ("is silent", "is unreachable")
+        assert (agent.wait(timeout=10) == -9) if stopped else agent.poll() is None
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def raise_(exc: BaseException):
+    raise exc
 
 
 def test_torchrun_environment():

@@ -5,6 +5,7 @@ with. Delete a function (and its one call) once the oldest supported torch no lo
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -47,12 +48,17 @@ def stop_stuck_agent(agent_pid: int) -> None:
 
 def stop_agent_if_store_lost(agent_pid: int, host: str, port: int | None) -> None:
     """stop_stuck_agent, for a process that ends another way (a deadline, another error) while
-    the job's store, on the head node beside the agent's own, takes no connection within 2 s."""
+    the head node, which holds the job's store and the agents', does not answer within 2 s. (A
+    refusal is an answer: the head is there, and its agent may be restarting the job.)"""
     if port:
         try:
             socket.create_connection((host, port), timeout=2).close()
-        except OSError:
-            stop_stuck_agent(agent_pid)
+        except OSError as exc:
+            if isinstance(exc, TimeoutError) or exc.errno in UNREACHABLE:
+                stop_stuck_agent(agent_pid)
+
+
+UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN}
 
 
 def remove_file_store(store: dist.Store, path: Path, world_size: int) -> None:
