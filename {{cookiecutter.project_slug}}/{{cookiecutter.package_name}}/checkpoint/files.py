@@ -17,6 +17,7 @@ import re
 import sys
 import tempfile
 import zipfile
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -138,10 +139,8 @@ def write_file(state: dict[str, Any], path: AnyPath, newest: str = "",
         raise RunFailure(f"cannot write checkpoint {path} ({why}); {fallback}free space or "
                          "choose another --checkpoint-dir") from None
     finally:
-        try:
+        with suppress(OSError):
             tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
     fsync_dir(path.parent)
 
 

@@ -10,11 +10,14 @@ import os
 import signal
 import socket
 import sys
+from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
 import torch.distributed as dist
+
+UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN}  # a host that is gone
 
 
 def exit_process(code: int) -> NoReturn:
@@ -40,25 +43,19 @@ def stop_stuck_agent(agent_pid: int) -> None:
     does nothing, recv is retried). The training processes end by their deadlines, the agent never
     does, and the node stays busy. Upstream: https://github.com/pytorch/pytorch/issues/129367 (a get
     stuck in recv). Seen with torch 2.13 on two network-namespace hosts, one cut off."""
-    try:
+    with suppress(OSError):
         os.kill(agent_pid, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def stop_agent_if_store_lost(agent_pid: int, host: str, port: int | None) -> None:
     """stop_stuck_agent, for a process that ends another way (a deadline, another error) while
     the head node, which holds the job's store and the agents', does not answer within 2 s. (A
     refusal is an answer: the head is there, and its agent may be restarting the job.)"""
-    if port:
-        try:
-            socket.create_connection((host, port), timeout=2).close()
-        except OSError as exc:
-            if isinstance(exc, TimeoutError) or exc.errno in UNREACHABLE:
-                stop_stuck_agent(agent_pid)
-
-
-UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN}
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except OSError as exc:
+        if port and (isinstance(exc, TimeoutError) or exc.errno in UNREACHABLE):
+            stop_stuck_agent(agent_pid)
 
 
 def remove_file_store(store: dist.Store, path: Path, world_size: int) -> None:
