@@ -167,9 +167,15 @@ def kill_a_worker_once_saved(cmd: list[str], cwd: Path, checkpoint_dir: Path, st
     `step` or later is in `checkpoint_dir`, and wait for the job to end."""
     from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta
 
+    def saved_step(path: Path) -> int:
+        try:
+            return read_meta(path)["step"]
+        except FileNotFoundError:  # pruned by --keep-last between the listing and the read
+            return -1
+
     job = subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
-    while not [p for p in list_checkpoints(checkpoint_dir) if read_meta(p)["step"] >= step]:
+    while not [p for p in list_checkpoints(checkpoint_dir) if saved_step(p) >= step]:
         assert job.poll() is None, job.communicate()[1]
         time.sleep(0.01)
     workers = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()
@@ -177,16 +183,19 @@ def kill_a_worker_once_saved(cmd: list[str], cwd: Path, checkpoint_dir: Path, st
     job.communicate(timeout=120)
 
 
-def project_with_task(folder: Path, task: str) -> Path:
-    """A copy of the project in `folder`/project whose task.py is `task` (run it with PYTHONPATH
-    set to the copy)."""
+def project_copy(folder: Path, task: str | None = None) -> Path:
+    """A copy of the project (train.py, the package, scripts/ and configs/) in `folder`/project,
+    whose task.py is `task` if given (run it with PYTHONPATH set to the copy)."""
     root = folder / "project"
     root.mkdir()
     shutil.copy(PROJECT_ROOT / "train.py", root)
     package = "{{ cookiecutter.package_name }}"
-    shutil.copytree(PROJECT_ROOT / package, root / package,
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    (root / package / "task.py").write_text(task)
+    for name in (package, "scripts", "configs"):
+        if (PROJECT_ROOT / name).exists():
+            shutil.copytree(PROJECT_ROOT / name, root / name,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+    if task is not None:
+        (root / package / "task.py").write_text(task)
     return root
 
 

@@ -16,7 +16,7 @@ from conftest import (
     needs_numpy,
     ok,
     one_error,
-    project_with_task,
+    project_copy,
     read_metrics,
     run_cmd,
     summary,
@@ -69,7 +69,7 @@ def flatten(tree, prefix: str = "") -> dict:
 @pytest.mark.parametrize("layout", ["data_parallel", pytest.param("fsdp", marks=needs_numpy)])
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_an_example_step_logs_its_parts_and_resumes_bit_for_bit(tmp_path, name, layout):
-    project = project_with_task(tmp_path, example(name))
+    project = project_copy(tmp_path, example(name))
     _, parts, flags = EXAMPLES[name]
     args = [*RUN, *flags, "--model-layout", layout]
 
@@ -90,7 +90,7 @@ def test_an_example_step_logs_its_parts_and_resumes_bit_for_bit(tmp_path, name, 
 @pytest.mark.nccl
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_gan_trains_in_fp16_with_one_loss_scale(tmp_path):
-    project = project_with_task(tmp_path, example("gan"))
+    project = project_copy(tmp_path, example("gan"))
     ok(run_cmd([sys.executable, "train.py", *RUN, *EXAMPLES["gan"][2], "--precision", "fp16",
                 "--backend", "nccl"], project, gpus=True, PYTHONPATH=str(project)))
     state = load_state(list_checkpoints(project / "checkpoints")[0])
@@ -118,7 +118,7 @@ def test_a_mistaken_step_is_one_error_line_and_leaves_no_checkpoint(tmp_path, mi
     (old, new), says = MISTAKES[mistake]
     task = example("teacher")
     assert old in task
-    project = project_with_task(tmp_path, task.replace(old, new, 1))
+    project = project_copy(tmp_path, task.replace(old, new, 1))
     line = one_error(run_cmd([sys.executable, "train.py", *RUN, *EXAMPLES["teacher"][2]],
                              project, PYTHONPATH=str(project)))
     assert says in line

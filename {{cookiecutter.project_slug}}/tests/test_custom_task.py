@@ -14,7 +14,7 @@ from conftest import (
     load_state,
     needs_numpy,
     ok,
-    project_with_task,
+    project_copy,
     read_metrics,
     run_cmd,
     summary,
@@ -114,7 +114,7 @@ ARGS = ["--no-progress", "--dataset-size", "400", "--batch-size", "16", "--hidde
 @pytest.fixture
 def custom_project(tmp_path):
     """A copy of the project whose task.py is the one above."""
-    return project_with_task(tmp_path, CUSTOM_TASK)
+    return project_copy(tmp_path, CUSTOM_TASK)
 
 
 @pytest.mark.parametrize("layout", ["data_parallel", "model_parallel_2",

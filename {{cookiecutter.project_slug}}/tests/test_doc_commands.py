@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_ROOT, path_with, run_cmd
+from conftest import PROJECT_ROOT, path_with, project_copy, run_cmd
 from test_docs import MARKDOWN, command_words, shell_blocks
 
 try:
@@ -42,18 +41,6 @@ def s3():
     server.make_bucket("my-bucket")
     yield server
     server.close()
-
-
-def project_copy(folder: Path) -> Path:
-    """What a command of the docs touches, in a folder of its own: it trains, and saves there."""
-    root = folder / "project"
-    root.mkdir()
-    shutil.copy(PROJECT_ROOT / "train.py", root)
-    for name in ("{{ cookiecutter.package_name }}", "scripts", "configs"):
-        if (PROJECT_ROOT / name).exists():
-            shutil.copytree(PROJECT_ROOT / name, root / name,
-                            ignore=shutil.ignore_patterns("__pycache__"))
-    return root
 
 
 def newest(word: str, root: Path, s3) -> str:
@@ -88,7 +75,7 @@ def filled(words: list[str], inputs: list[str], root: Path, s3) -> list[str]:
 def test_the_commands_of_a_page_run_as_written(doc, tmp_path, bin_dir, s3, example_task):
     if doc_inputs is None:
         pytest.skip("tests/test_task.py has no doc_inputs(root) giving the docs' INPUT")
-    root = project_copy(tmp_path)
+    root = project_copy(tmp_path)  # the commands train and save there
     inputs = doc_inputs(root)
     env = {**s3.env(), "PATH": path_with(bin_dir), "PYTHON": sys.executable,
            "PYTHONPATH": str(root)}

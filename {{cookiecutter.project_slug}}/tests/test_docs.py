@@ -535,7 +535,7 @@ def test_every_shell_block_runs_in_the_suite_or_says_why_not():
     """tests/test_doc_commands.py runs each command of a block not marked: one it could not run
     (a cluster's tool, a job in the background, a pipe) needs its block marked with the reason.
     A `pip install -e ".[extra]"` names extras that pyproject.toml has."""
-    problems = []
+    problems, declared = [], extras()
     for path in MARKDOWN:
         for block in (b for b in shell_blocks(path) if not b.why_not):
             for command in block.commands:
@@ -545,6 +545,6 @@ def test_every_shell_block_runs_in_the_suite_or_says_why_not():
                     problems.append(f"{block.where()}: {command}")
                 for extra in re.findall(r"\.\[([\w,-]+)\]", command) if name == "pip" else []:
                     problems += [f"{block.where()}: no extra {e!r}" for e in extra.split(",")
-                                 if e not in extras()]
+                                 if e not in declared]
     assert not problems, ("tests/test_doc_commands.py cannot run these: mark each block with "
                           "`<!-- not run by the tests: why -->`\n" + "\n".join(problems))
