@@ -8,6 +8,7 @@ that exactly one `error:` line was printed, what it says, and that the old check
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ from conftest import (
     TRAIN,
     child_env,
     ckpt_name,
+    load_state,
     ok,
     one_error,
     python_train,
@@ -430,6 +432,40 @@ def test_a_loss_that_becomes_nan_names_the_newest_good_checkpoint(workdir):
     assert ckpt_name(4) in line
     losses = [m["loss"] for m in read_metrics(workdir / "runs/latest")]
     assert all(loss == loss for loss in losses), "nothing after the nan was logged as training"
+
+
+@pytest.mark.parametrize("layout", ["data_parallel", "fsdp"])
+def test_a_loss_that_turns_nan_between_log_steps_is_never_saved(workdir, layout):
+    """Issue 55: the loss turns nan at step 5 and the next log step is 20. The save at step 6
+    finds it (the loss since the last log and the weights are checked at every save): no
+    checkpoint of nan weights is kept, the one the line names is finite, and --keep-last pruned
+    no good checkpoint for a bad one. A nan checkpoint from elsewhere is refused at resume."""
+    (workdir / "nan.py").write_text(NAN_TASK)
+    flags = [*BASE, "--epochs", "3", "--log-every", "20", "--save-every-steps", "2",
+             "--keep-last", "3", "--model-layout", layout]
+    result = subprocess.run([sys.executable, str(workdir / "nan.py"), *flags], cwd=workdir,
+                            env=child_env(), capture_output=True, text=True, timeout=120)
+    line = one_error(result)
+    assert "the loss became nan by step 6; the newest good checkpoint is" in line, line
+    kept = list_checkpoints(workdir / "checkpoints")
+    assert [p.name for p in kept] == [ckpt(4, layout), ckpt(2, layout)]
+    assert f"checkpoint is checkpoints/{kept[0].name};" in line
+    for path in kept:
+        assert all(t.isfinite().all() for t in load_state(path)["model"].values())
+    if layout == "fsdp":
+        return
+    bad = load_state(kept[0])
+    bad["model"] = {k: v * math.nan for k, v in bad["model"].items()}
+    bad["step"] = 50
+    torch.save(bad, workdir / "checkpoints" / ckpt(50, layout))
+    line = one_error(python_train([*flags[1:]], workdir))
+    newest = f"checkpoints/{kept[0].name}"
+    assert f"checkpoint checkpoints/{ckpt(50, layout)} holds nan or inf weights" in line, line
+    assert f"the newest finite one is {newest}: use --resume {newest}" in line
+
+
+def ckpt(step: int, layout: str) -> str:
+    return f"ckpt_step{step:08d}" + ("" if layout == "fsdp" else ".pt")
 
 
 def test_warmup_longer_than_the_run_is_a_warning(workdir):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
+def local_part(p: torch.Tensor) -> torch.Tensor:
     """A parameter's tensor on this rank: its shard under fsdp (a DTensor), else itself."""
     return p.to_local() if hasattr(p, "to_local") else p
 
@@ -29,17 +29,17 @@ class EMA:
         named = [(name, p) for name, p in model.named_parameters()]
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
-        self.averages = [_local(p).detach().float().clone() for p in self.params]
+        self.averages = [local_part(p).detach().float().clone() for p in self.params]
 
     @torch.no_grad()
     def restart(self) -> None:
         """Start the average again from the weights as they are (a checkpoint had none)."""
-        torch._foreach_copy_(self.averages, [_local(p).float() for p in self.params])
+        torch._foreach_copy_(self.averages, [local_part(p).float() for p in self.params])
 
     @torch.no_grad()
     def update(self) -> None:
         """After an optimizer step: fold the new weights in (no host sync, no collective)."""
-        weights = [_local(p).float() for p in self.params]
+        weights = [local_part(p).float() for p in self.params]
         torch._foreach_mul_(self.averages, self.decay)
         torch._foreach_add_(self.averages, weights, alpha=1.0 - self.decay)
 
@@ -47,14 +47,14 @@ class EMA:
     @torch.no_grad()
     def weights_in(self) -> Iterator[None]:
         """The model holds the averages inside the block, its own weights again after it."""
-        kept = [_local(p).clone() for p in self.params]
+        kept = [local_part(p).clone() for p in self.params]
         for p, average in zip(self.params, self.averages, strict=True):
-            _local(p).copy_(average)
+            local_part(p).copy_(average)
         try:
             yield
         finally:
             for p, own in zip(self.params, kept, strict=True):
-                _local(p).copy_(own)
+                local_part(p).copy_(own)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """name -> average, shaped as the parameter of that name (a DTensor of this rank's shard

@@ -96,8 +96,10 @@ class Trainer:
 
     def loop_state(self) -> dict[str, Any]:
         """The loop's part of a checkpoint: position, last loss, tracker run, model selection.
-        The pending log step is read first: a NaN loss stops the run before it is saved."""
+        The pending log step is read first, and then the loss since it and the weights: a
+        run whose loss or weights turned nan stops before it saves them."""
         self.metrics.settle()
+        self.metrics.check_finite(self.step, self.model.parameters())
         samples = self.batch_in_epoch * self.cfg.batch_size * self.world.world_size
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                 "samples_in_epoch": samples, "step": self.step,

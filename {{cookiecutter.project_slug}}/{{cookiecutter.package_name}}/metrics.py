@@ -10,7 +10,7 @@ import math
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .checkpoint import storage
 from .config import Config
+from .ema import local_part
 from .failures import RunFailure, UsageError, agree
 from .meters import Progress, StepClock, StepProfiler, Throughput
 from .runtime.environments import World
@@ -114,6 +115,28 @@ class Metrics:
             self.log(step, epoch)
             if last:
                 self.settle()
+
+    def check_finite(self, step: int, params: Iterable[torch.Tensor]) -> None:
+        """Before a save: the values since the last log step (which checked the rest) and the
+        weights are finite on every rank, or the run stops here, naming the newest good
+        checkpoint: a checkpoint of nan weights would replace the good ones. No host sync per
+        step: the sums kept for the log are the flag."""
+        zero = torch.zeros((), device=self.comm_device)
+        loss = self._sums.get("loss", zero).to(self.comm_device, torch.float64)
+        parts = sum((~v.isfinite()).to(self.comm_device) for k, v in self._sums.items()
+                    if k != "loss")
+        weights = sum((~local_part(p).isfinite()).sum().to(self.comm_device)
+                      for p in params)  # fsdp: each rank checks its own shards
+        flags = torch.stack([loss, zero + parts, zero + weights])
+        dist.all_reduce(flags)
+        loss_sum, parts_bad, weights_bad = flags.tolist()
+        what = (f"the loss became {loss_sum}" if not math.isfinite(loss_sum) else
+                "a logged loss part became nan or inf" if parts_bad else
+                "the weights became nan or inf" if weights_bad else "")
+        if what:
+            raise RunFailure(f"{what} by step {step}; {self.newest_checkpoint()}; nothing was "
+                             "saved after it; lower --lr, use --clip-grad, or check the data",
+                             everywhere=True)
 
     def end_epoch(self) -> None:
         self.settle()

@@ -12,10 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config import Config
-from ..failures import ProjectError, RunFailure, agree
+from ..ema import local_part
+from ..failures import ProjectError, RunFailure, UsageError, agree
 from ..optim import Optimization
 from ..runtime.comm_hooks import PowerSGD
 from ..runtime.environments import World
@@ -28,6 +30,7 @@ from .resume import (
     gather_rng_states,
     keep_retention,
     load_into,
+    newest_finite,
     pick_checkpoint,
     restore_position,
 )
@@ -163,6 +166,7 @@ class Checkpointer:
             return None
         path = storage.location(choice)
         meta = self._load(path)
+        self._refuse_nonfinite(path, meta["step"])
         epoch, batch, step = restore_position(meta, self.cfg, self.world.world_size,
                                               batches_per_epoch, path, say=self.world.is_main)
         self.resumed_from, self.saved_step = str(path), step
@@ -183,6 +187,18 @@ class Checkpointer:
             for note in retention:
                 print(f"note: {note}", flush=True)
         return {**meta, "position": (epoch, batch, step)}
+
+    def _refuse_nonfinite(self, path: storage.AnyPath, step: int) -> None:
+        """Weights with nan or inf (a checkpoint of an older version, or copied in) are not
+        trained on: one line naming the newest finite checkpoint before it (rank 0 looks)."""
+        bad = sum((~local_part(p).isfinite()).sum().to(self.comm_device)
+                  for p in self.model.parameters())
+        dist.all_reduce(bad)
+        if bad.item():
+            def refuse() -> None:
+                raise UsageError(f"checkpoint {path} holds nan or inf weights (its run diverged); "
+                                 f"{newest_finite(self.cfg.checkpoint_dir, step)}")
+            agree(refuse, self.comm_device)
 
     def _open_and_pick(self) -> str | None:
         self.ckpt_dir.open()

@@ -18,7 +18,7 @@ from ..config import Config
 from ..ema import EMA
 from ..failures import UsageError
 from . import storage
-from .files import is_complete, list_checkpoints, load_checkpoint, read_meta, unreadable
+from .files import is_complete, list_checkpoints, load_checkpoint, read_meta, step_of, unreadable
 
 if TYPE_CHECKING:
     from ..optim import Optimizers
@@ -52,6 +52,17 @@ def pick_checkpoint(resume: str, directory: str) -> storage.AnyPath | None:
         print(f"warning: skipping unreadable checkpoint {path} ({why})", file=sys.stderr,
               flush=True)
     return None
+
+
+def newest_finite(directory: str, before_step: int) -> str:
+    """Where to resume from when a checkpoint's weights are not finite (rank 0)."""
+    from .export import model_and_meta
+    for path in list_checkpoints(directory):
+        if step_of(path) < before_step and unreadable(path, resuming=True) is None:
+            weights, _ = model_and_meta(path, raw_weights=True)
+            if all(t.isfinite().all() for t in weights.values() if t.is_floating_point()):
+                return f"the newest finite one is {path}: use --resume {path}"
+    return "no older checkpoint is finite: use --resume never to start over"
 
 
 def check_same_shapes(model_state: dict[str, torch.Tensor], saved: dict[str, Any],
