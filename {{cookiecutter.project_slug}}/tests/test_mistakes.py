@@ -306,6 +306,19 @@ def test_mistake(name, finished_run, tmp_path, monkeypatch, capsys):
         assert unreadable(path) is None and read_meta(path)["step"] == step, path
 
 
+def test_a_complete_run_of_another_layout_names_its_layout(finished_run, tmp_path):
+    """Issue 55: the checkpoints of a finished run of one layout, and a command with another:
+    not a bare "this run is complete", but whose they are and how to start a run of one's own."""
+    workdir = tmp_path / "run"
+    shutil.copytree(finished_run, workdir)
+    from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT
+    other = "data_parallel" if DEFAULT_MODEL_LAYOUT == "fsdp" else "fsdp"
+    result = ok(python_train([*BASE[1:], "--epochs", "2", "--model-layout", other], workdir))
+    assert (f"this run is complete: epoch 2 of 2, step 16; its checkpoints are a --model-layout "
+            f"{DEFAULT_MODEL_LAYOUT} run's: give this run its own --run-name or --checkpoint-dir"
+            in result.stdout), result.stdout
+
+
 @pytest.mark.parametrize("what, says", [
     ("garbage.pt", "garbage.pt: cannot load it (not a checkpoint file: torch.save writes a zip"),
     ("tensors.pt", "tensors.pt: cannot load it (not a checkpoint of this project"),

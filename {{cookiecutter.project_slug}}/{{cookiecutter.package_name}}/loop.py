@@ -71,6 +71,7 @@ class Trainer:
         self.comm_device = collective_device(runtime.backend, runtime.device)  # our collectives
         # Position: the epoch being trained, the batches of it already done, optimizer steps.
         self.epoch, self.batch_in_epoch, self.step = 0, 0, 0
+        self.resumed_layout: str | None = None  # the --model-layout of the checkpoint resumed
         self.checkpointer = Checkpointer(cfg, world, self.unwrapped, optim, runtime.device,
                                          self.comm_device, runtime.lifeline, runtime.comm_hook)
         throughput = Throughput(task, self.unwrapped, cfg, runtime.device,
@@ -93,6 +94,7 @@ class Trainer:
             self.metrics.last_loss = meta.get("last_loss")
             self.metrics.tracker_run_id = meta.get("tracker_run_id")
             self.evaluation.restart_selection(meta.get("selection"))
+            self.resumed_layout = meta.get("config", {}).get("model_layout")
 
     def loop_state(self) -> dict[str, Any]:
         """The loop's part of a checkpoint: position, last loss, tracker run, model selection.
@@ -222,8 +224,12 @@ class Trainer:
                 where = (f"step {self.step} of --max-steps {self.cfg.max_steps}"
                          if self.cfg.max_steps and self.step >= self.cfg.max_steps
                          else f"epoch {self.epoch} of {self.cfg.epochs}, step {self.step}")
-                print(f"this run is complete: {where}; raise --epochs or --max-steps, or use "
-                      "--resume never to start over", flush=True)
+                layout = self.resumed_layout
+                todo = ("raise --epochs or --max-steps, or use --resume never to start over"
+                        if layout in (None, self.cfg.model_layout) else
+                        f"its checkpoints are a --model-layout {layout} run's: give this run its "
+                        "own --run-name or --checkpoint-dir")
+                print(f"this run is complete: {where}; {todo}", flush=True)
             return {"complete": True, "steps": self.step}  # summary and metrics stay as they are
         self.evaluation.check_metric_names()
         self.metrics.open(resumed=resumed_from is not None)
