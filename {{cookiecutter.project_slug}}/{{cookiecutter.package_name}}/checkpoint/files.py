@@ -144,6 +144,9 @@ def write_file(state: dict[str, Any], path: AnyPath, newest: str = "",
     fsync_dir(path.parent)
 
 
+AGAIN = "run the same command to resume from it once the storage works"
+
+
 def newest_complete(saved: AnyPath | None) -> str:
     """The newest complete checkpoint, as an error line names it (kept by the run, not asked of
     the storage, which may be what failed)."""

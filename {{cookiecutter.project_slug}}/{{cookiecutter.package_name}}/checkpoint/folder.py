@@ -19,6 +19,7 @@ import torch
 from ..failures import ProjectError, RunFailure, UsageError
 from . import storage
 from .files import (
+    AGAIN,
     checkpoint_path,
     fsync_dir,
     is_complete,
@@ -190,8 +191,9 @@ class CheckpointDir:
             except ProjectError as exc:  # kept whole: its class and flags
                 self._error = exc
             except BaseException as exc:  # DCP's CheckpointException too: no thread traceback
-                self._error = RunFailure(f"a background checkpoint save failed "
-                                         f"({storage.reason(exc)}); {newest_complete(self.saved)}")
+                why, again = storage.reason(exc), f"; {AGAIN}" if self.remote else ""
+                self._error = RunFailure(f"a background checkpoint save failed ({why}); "
+                                         f"{newest_complete(self.saved)}{again}")
 
         self._thread = threading.Thread(target=run, name="checkpoint-save", daemon=True)
         self._thread.start()

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from ..failures import RunFailure, agree
 from . import storage
-from .files import META, checkpoint_path, newest_complete
+from .files import AGAIN, META, checkpoint_path, newest_complete
 from .folder import CheckpointDir
 from .storage import AnyPath, RemotePath
 
@@ -77,7 +77,7 @@ def load(path: AnyPath, model: nn.Module, optimizers: Optimizers,
     try:
         dcp.load(state, checkpoint_id=str(path))
     except CheckpointException as exc:  # a BaseException: made an Exception its callers catch
-        raise RuntimeError(_why(exc)) from exc
+        raise RuntimeError(storage.reason(exc)) from exc
     set_state_dict(model, list(optimizers.values()), model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     return state.get("rng")
@@ -147,8 +147,7 @@ class ShardedCheckpoints:
     def _failure(self, exc: BaseException) -> str:
         """Why a save failed and what to do, for the error line."""
         if isinstance(self.directory, RemotePath):  # the storage client's retries are spent
-            return (f"({_why(exc)}); {newest_complete(self.saved)}; run the same command to "
-                    "resume from it once the storage works")
+            return f"({storage.reason(exc)}); {newest_complete(self.saved)}; {AGAIN}"
         return (f"({str(exc).strip().splitlines()[0]}); free space or choose another "
                 "--checkpoint-dir")
 
@@ -158,15 +157,6 @@ class ShardedCheckpoints:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
-
-
-def _why(exc: BaseException) -> str:
-    """The first line of a (possibly nested) DCP failure, with the storage's error code."""
-    inner = getattr(exc, "failures", None)  # CheckpointException: {rank: (exception, trace)}
-    if inner:
-        exc = next(iter(inner.values()))[0]
-    return storage.reason(exc) if not isinstance(exc, CheckpointException) else (
-        str(exc).strip().splitlines()[0])
 
 
 def _reusable_stager(device: torch.device) -> Any:

@@ -254,6 +254,8 @@ def _chain(exc: BaseException | None) -> list[BaseException]:
 def reason(exc: BaseException) -> str:
     """What went wrong, as words and the service's error code, from an fsspec/botocore error."""
     for seen in _chain(exc):
+        if failures := getattr(seen, "failures", None):  # DCP's: {rank: (exception, trace)}
+            return reason(next(iter(failures.values()))[0])
         error = (getattr(seen, "response", None) or {}).get("Error", {})
         if error.get("Code"):
             return f"{error['Code']}: {(error.get('Message') or '').strip()}".rstrip(": ")
