@@ -4,6 +4,7 @@ parses, and defaults that match the answers."""
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import tomllib
 
@@ -51,7 +52,32 @@ def test_baked_code_renders_compiles_and_lints(bake, answers):
         if rel.endswith((".sh", ".sbatch")):
             check_ok(run(["bash", "-n", rel], project))
             assert (project / rel).stat().st_mode & 0o111, f"{rel} is not executable"
+            if "pipefail" in text:
+                assert breakable_pipes(text) == [], rel
     check_ok(run([shutil.which("ruff") or "ruff", "check", "--no-cache", "."], project))
+
+
+def breakable_pipes(script: str) -> list[str]:
+    """The pipelines of a shell script that end in a reader that may stop before its writer
+    (head, grep -q, grep -m): the writer then dies of SIGPIPE, which fails the pipeline (141)
+    under pipefail (issue 55)."""
+    script = re.sub(r"(\\|\|)[ \t]*\n", r"\1 ", script)  # one line per continued command
+    found = []
+    for line in script.splitlines():
+        code = re.sub(r"(^|\s)#.*", "", line)
+        for reader in re.split(r"(?<!\|)\|&?(?!\|)", code)[1:]:
+            words = reader.split()
+            if words[:1] == ["head"] or words[:1] == ["grep"] and any(
+                    re.fullmatch(r"-[a-zA-Z]*[qm].*|--(quiet|silent|max-count).*", w)
+                    for w in words[1:]):
+                found.append(line.strip())
+    return found
+
+
+def test_breakable_pipes_are_found():
+    assert breakable_pipes('X=$(scontrol show hostnames "$L" | head -n 1)\n') != []
+    assert breakable_pipes("ps ax |\n  grep -qE torchrun && x\nls | grep -m1 a\n") != []
+    assert breakable_pipes("a || b | grep x  # | head\nNODES=${N%%$'\\n'*}\n") == []
 
 
 @pytest.mark.parametrize("answers", COMBINATIONS, ids=answers_id)

@@ -40,7 +40,7 @@ def free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--nproc", type=int, default=2, help="processes per replica group")
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps of each run")
     parser.add_argument("flags", nargs="*", help="train.py flags, after --")

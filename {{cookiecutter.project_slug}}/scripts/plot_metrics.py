@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("metrics", type=Path, nargs="?", default=Path("runs/latest/metrics.jsonl"),
                         help="a metrics.jsonl or the run folder holding it")
     parser.add_argument("-o", "--output", type=Path,

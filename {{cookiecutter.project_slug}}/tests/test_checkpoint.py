@@ -146,3 +146,20 @@ def test_export_of_a_file_checkpoint(tmp_path):
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     assert set(out) == {"model", "epoch", "step", "world_size", "config", "weights"}
     assert out["weights"] == "raw"  # no EMA in this checkpoint
+
+
+@pytest.mark.parametrize("output", ["same", "link.pt", "other/ckpt_step00000009.pt",
+                                    "ckpt_step00000002/model.pt"])
+def test_an_export_onto_its_source_or_a_checkpoint_is_refused(tmp_path, capsys, output):
+    from {{ cookiecutter.package_name }}.checkpoint.export import main
+
+    path = _dir(tmp_path).save_file(_state(3), 3)
+    before = path.read_bytes()
+    (tmp_path / "link.pt").symlink_to(path)
+    target = str(path) if output == "same" else str(tmp_path / output)
+    assert main(["export", str(path), target]) == 1
+    assert capsys.readouterr().err == (f"error: {target}: an export may not replace its source or "
+                                       "a checkpoint (ckpt_step...); write it to another file, "
+                                       "such as model.pt\n")
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        ".lock", path.name, "link.pt"]

@@ -86,6 +86,8 @@ CASES = {
     "backend-unknown": Case(["--backend", "mpi"], "invalid choice: 'mpi'", 2),
     "layout-unknown": Case(["--model-layout", "pipeline"], "invalid choice: 'pipeline'", 2),
     "flag-unknown": Case(["--learning-rate", "1"], "unrecognized arguments: --learning-rate", 2),
+    # An abbreviation is refused, as in a --config file: --epoch is not taken as --epochs.
+    "flag-abbreviated": Case(["--epoch", "1"], "unrecognized arguments: --epoch 1", 2),
     "stage-devices-one": Case(["--stage-devices", "cuda:0"], "expected two devices", 2),
     "stage-devices-wrong-layout": Case(["--stage-devices", "cpu,cpu"],
                                        "--stage-devices only applies to --model-layout", 2),

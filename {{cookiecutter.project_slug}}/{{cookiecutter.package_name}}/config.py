@@ -273,8 +273,7 @@ def problems(cfg: Config) -> list[str]:
         return [f"--output-dir {cfg.output_dir.split('://')[0]}://...: metrics are written to a "
                 "local folder; give a path (checkpoints take a URL: --checkpoint-dir)"]
     for flag, value in (("--checkpoint-dir", cfg.checkpoint_dir), ("--resume", cfg.resume)):
-        why = storage.url_problem(value)
-        if why:
+        if why := storage.url_problem(value):
             return [f"{flag} {storage.redact(value)}: {why}"]
     if cfg.data is not None and not Path(cfg.data).exists():
         found.append(f"--data {cfg.data}: no such file or folder")

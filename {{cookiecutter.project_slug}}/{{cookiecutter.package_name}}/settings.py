@@ -132,7 +132,7 @@ def build_parser(config: type, settings: type | None) -> Parser:
     """Every flag: one per `setting` of `config` (the run's Config), in its section of --help,
     and one per field of task.py's `Settings` class (None: the task declares none)."""
     p = Parser(description="Train a model with PyTorch DistributedDataParallel.",
-               formatter_class=_Help)
+               formatter_class=_Help, allow_abbrev=False)  # a flag cut short is refused
     p.types = {f.name: f.type for f in dataclasses.fields(config)}
     p.launch_only = {f.name for f in dataclasses.fields(config)
                      if f.metadata.get("in_file") is False}
@@ -260,7 +260,7 @@ def _given_on_command_line(config: type, settings: type | None,
 
 
 def _config_path(argv: list[str] | None) -> str | None:
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
     return known.config

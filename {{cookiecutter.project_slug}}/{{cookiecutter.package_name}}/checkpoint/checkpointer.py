@@ -180,8 +180,7 @@ class Checkpointer:
             self.ckpt_dir.keep_last = self.cfg.keep_last
             self.ckpt_dir.keep_step = (meta.get("selection") or {}).get("best", {}).get("step")
         if self.world.is_main:
-            changed = config_differences(meta.get("config", {}), self.cfg.to_dict())
-            if changed:
+            if changed := config_differences(meta.get("config", {}), self.cfg.to_dict()):
                 print(f"note: settings that differ from the checkpoint's run: {'; '.join(changed)}",
                       flush=True)
             for note in retention:

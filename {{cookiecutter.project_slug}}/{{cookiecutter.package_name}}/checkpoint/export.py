@@ -11,8 +11,9 @@ from typing import Any
 
 from ..ema import model_state
 from ..failures import ProjectError, UsageError
+from ..settings import Parser
 from . import storage
-from .files import load_checkpoint, missing, read_meta, unreadable, write_file
+from .files import CHECKPOINT_NAME, load_checkpoint, missing, read_meta, unreadable, write_file
 from .storage import AnyPath
 
 
@@ -20,13 +21,16 @@ def export(source: AnyPath, output: AnyPath, raw_weights: bool = False) -> None:
     """Any checkpoint (file or folder) as one file that loads with `weights_only=True`: `model`
     (the plain state_dict: the EMA's weights if the run kept one, unless `raw_weights`), which
     weights those are, epoch, step, world_size and config."""
+    target = output.resolve()  # a link to a checkpoint is that checkpoint
+    if target == source.resolve() or any(map(CHECKPOINT_NAME.match, Path(str(target)).parts)):
+        raise UsageError(f"{output}: an export may not replace its source or a checkpoint "
+                         "(ckpt_step...); write it to another file, such as model.pt")
     model, meta = model_and_meta(source, raw_weights)
     keep = ("epoch", "step", "world_size", "config", "weights")
     write_file({"model": model, **{k: meta[k] for k in keep if k in meta}}, output)
 
 
-def model_and_meta(source: AnyPath, raw_weights: bool = False) -> tuple[dict[str, Any],
-                                                                         dict[str, Any]]:
+def model_and_meta(source: AnyPath, raw_weights: bool = False) -> tuple[dict, dict]:
     """The plain model state_dict of any checkpoint (file, folder or export) and its metadata
     (with `weights`: "ema" or "raw"). A checkpoint with an EMA gives the EMA's weights unless
     `raw_weights`."""
@@ -36,8 +40,7 @@ def model_and_meta(source: AnyPath, raw_weights: bool = False) -> tuple[dict[str
         raise UsageError(f"{source}: {storage.diagnosis(str(source), exc)}") from None
     if not found:
         raise UsageError(f"{source}: {missing(source)}")
-    why = unreadable(source)
-    if why:
+    if why := unreadable(source):
         raise UsageError(f"{source}: cannot load it ({why})")
     if source.is_dir():
         state, meta = load_full_state(storage.local_copy(source)), read_meta(source)
@@ -59,15 +62,14 @@ def load_full_state(path: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog=f"python -m {__package__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    exp = sub.add_parser("export", help="write any checkpoint as one weights_only file")
-    exp.add_argument("source", help="a checkpoint file or folder: a path or a URL")
-    exp.add_argument("output", help="the file to write: a path or a URL")
-    exp.add_argument("--raw-weights", action="store_true",
-                     help="the model's own weights, not the EMA's (for a run with --ema-decay)")
+    parser = Parser(prog=f"python -m {__package__}", allow_abbrev=False)  # one `error:` line
+    parser.help_command = f"python -m {__package__} export --help"
+    parser.add_argument("command", choices=["export"],
+                        help="export: write any checkpoint as one weights_only file")
+    parser.add_argument("source", help="a checkpoint file or folder: a path or a URL")
+    parser.add_argument("output", help="the file to write: a path or a URL")
+    parser.add_argument("--raw-weights", action="store_true",
+                        help="the model's own weights, not the EMA's (for a run with --ema-decay)")
     args = parser.parse_args(argv)
     try:
         export(storage.given(args.source), storage.given(args.output), args.raw_weights)

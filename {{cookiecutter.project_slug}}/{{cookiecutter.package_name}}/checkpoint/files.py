@@ -27,7 +27,7 @@ from ..failures import RunFailure
 from . import storage
 from .storage import AnyPath, RemotePath
 
-_NAME = re.compile(r"^ckpt_step(\d{8,})(\.pt)?$")
+CHECKPOINT_NAME = re.compile(r"^ckpt_step(\d{8,})(\.pt)?$")
 META = "meta.json"  # in a checkpoint folder: everything but the tensors
 
 
@@ -36,7 +36,7 @@ def checkpoint_path(directory: str | AnyPath, step: int, sharded: bool = False) 
 
 
 def step_of(path: AnyPath) -> int:
-    if not (match := _NAME.match(path.name)):
+    if not (match := CHECKPOINT_NAME.match(path.name)):
         raise ValueError(f"{path} is not named like a checkpoint (ckpt_stepNNNNNNNN)")
     return int(match.group(1))
 
@@ -46,7 +46,7 @@ def list_checkpoints(directory: str | AnyPath) -> list[AnyPath]:
     directory = storage.location(directory)
     if not directory.is_dir():
         return []
-    found = [(step_of(p), p) for p in directory.iterdir() if _NAME.match(p.name)]
+    found = [(step_of(p), p) for p in directory.iterdir() if CHECKPOINT_NAME.match(p.name)]
     return [p for _, p in sorted(found, reverse=True)]
 
 

@@ -31,8 +31,7 @@ def pick_checkpoint(resume: str, directory: str) -> storage.AnyPath | None:
         return None
     if resume != "auto":
         path = storage.location(resume)
-        inside = list_checkpoints(path) if not is_complete(path) else []
-        if inside:
+        if inside := (list_checkpoints(path) if not is_complete(path) else []):
             raise UsageError(f"--resume {resume} is a folder of checkpoints, not one; name one of "
                              f"them (the newest is {inside[0]}), or use --resume auto "
                              f"--checkpoint-dir {resume}")
