@@ -1,7 +1,8 @@
 """A training step of your own (docs/custom-step.md): each worked example, as the doc writes it,
 is the task.py of a copy of the project; it trains under torchrun with 2 processes, logs its
 parts, and a run killed with SIGKILL resumes to an uninterrupted run's state bit for bit, with
---grad-accum 2 and --ema-decay, under data_parallel and fsdp. Each mistake is one error line."""
+--grad-accum 2 and --ema-decay, under data_parallel and fsdp. Each mistake is one error line: the
+checks themselves are tested here in this process (the default tier), a few as real runs."""
 
 from __future__ import annotations
 
@@ -22,8 +23,15 @@ from conftest import (
     summary,
     torchrun_cmd,
 )
+from torch import nn
+from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
 
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints
+from {{ cookiecutter.package_name }}.config import parse_args
+from {{ cookiecutter.package_name }}.failures import UsageError
+from {{ cookiecutter.package_name }}.metrics import OWN_FIELDS
+from {{ cookiecutter.package_name }}.optim import Optimization
+from {{ cookiecutter.package_name }}.step import Step, check_values, plain_step
 
 pytestmark = pytest.mark.full  # the slow tier: pytest --full
 
@@ -98,6 +106,7 @@ def test_the_gan_trains_in_fp16_with_one_loss_scale(tmp_path):
     assert summary(project / "runs/latest")["steps"] > 0
 
 
+OPTIMIZERS = "def configure_optimizer(model, cfg):\n    return {}\n\n\ndef {}("
 MISTAKES = {  # (what the teacher example is changed into, what its error line says)
     "returns a tensor": (("return {\"loss\": loss.detach(), \"labels\": labels.detach(), "
                           "\"teacher\": teacher.detach()}", "return loss"),
@@ -105,11 +114,29 @@ MISTAKES = {  # (what the teacher example is changed into, what its error line s
     "unknown optimizer": (("step.update()", "step.update(\"student\")"),
                           "task.train_step: no optimizer 'student'"),
     "no update": (("step.update()", "pass"), "task.train_step never called step.update"),
-    "shared parameter": (("def train_step(", "def configure_optimizer(model, cfg):\n    return "
-                          "{\"a\": torch.optim.SGD(model.parameters(), lr=0.1), \"b\": "
-                          "torch.optim.SGD(model.student.parameters(), lr=0.1)}\n\n\n"
-                          "def train_step("),
+    "shared parameter": (("def train_step(", OPTIMIZERS.format(
+                             "{\"a\": torch.optim.SGD(model.parameters(), lr=0.1), \"b\": "
+                             "torch.optim.SGD(model.student.parameters(), lr=0.1)}", "train_step")),
                          "parameter 'student.0.weight' is in optimizers 'a' and 'b'"),
+    "two optimizers, no step": (("def train_step(", OPTIMIZERS.format(
+                                    "{\"a\": torch.optim.SGD(model.student[0].parameters(), "
+                                    "lr=0.1), \"b\": torch.optim.SGD(model.student[2:]."
+                                    "parameters(), lr=0.1)}", "not_a_step")),
+                                "gives 2 optimizers; the default step updates one: define "
+                                "train_step(step, batch) in task.py"),
+    "ReduceLROnPlateau": (("def train_step(", OPTIMIZERS.format(
+                              "(o := torch.optim.SGD(model.parameters(), lr=0.1), "
+                              "torch.optim.lr_scheduler.ReduceLROnPlateau(o))", "train_step")),
+                          "not (SGD, ReduceLROnPlateau): a schedule steps with its optimizer, "
+                          "so one by a metric is not supported"),
+    "update twice": (("step.update()", "step.update()\n    step.update()"),
+                     "task.train_step updated optimizer 'default' twice in one step"),
+    "update before the group's last batch": (
+        ("step.update()", "step.calls = getattr(step, \"calls\", 0) + 1\n    if step.calls % 2:"
+                          "\n        step.update()"),
+        "never called step.update(...) at the last batch of a --grad-accum 2 group"),
+    "a value named lr": (("\"teacher\": teacher.detach()}", "\"lr\": teacher.detach()}"),
+                         "task.train_step: 'lr' is a name the run logs itself"),
 }
 
 
@@ -123,3 +150,139 @@ def test_a_mistaken_step_is_one_error_line_and_leaves_no_checkpoint(tmp_path, mi
                              project, PYTHONPATH=str(project)))
     assert says in line
     assert not list_checkpoints(project / "checkpoints")
+
+
+# The same names in another order on each rank, then a value rank 1 alone logs. And an optimizer
+# that leaves out the student's last layers.
+RANKS_DIFFER = [("    return {\"loss\": loss.detach(), \"labels\": labels.detach(), \"teacher\": "
+                 "teacher.detach()}", """\
+    values = {"loss": loss.detach(), "one": torch.ones(()), "two": torch.full((), 2.0)}
+    if torch.distributed.get_rank() == 1:
+        values = dict(reversed(values.items()))
+        if step.number >= 2:
+            values["extra"] = torch.zeros(())
+    return values"""), ("def train_step(", OPTIMIZERS.format(
+                    "torch.optim.AdamW(model.student[0].parameters(), lr=cfg.lr)", "train_step"))]
+
+
+def test_values_are_averaged_by_name_and_names_that_differ_between_ranks_are_one_line(tmp_path):
+    task = example("teacher")
+    for old, new in RANKS_DIFFER:
+        task = task.replace(old, new, 1)
+    project = project_copy(tmp_path, task)
+    result = run_cmd([*torchrun_cmd(2), "train.py", *RUN, "--grad-accum", "1", "--log-every",
+                      "1", *EXAMPLES["teacher"][2]], project, PYTHONPATH=str(project))
+    assert ("warning: no optimizer of task.configure_optimizer holds 4 trainable parameters "
+            "(student.2.weight, student.2.bias, student.4.weight, ...): they never change") in \
+        result.stderr
+    line = one_error(result)  # not a wait for --timeout-s
+    assert ("the values logged by step 3 differ in name between ranks: rank 0 logs loss, one, "
+            "two, rank(s) 1 others") in line
+    logged = read_metrics(project / "runs/latest")
+    assert [(r["step"], r["one"], r["two"]) for r in logged] == [(1, 1.0, 2.0), (2, 1.0, 2.0)]
+    assert set(logged[0]) - {"loss", "one", "two"} <= OWN_FIELDS
+
+
+@pytest.mark.parametrize("layout", ["data_parallel", pytest.param("fsdp", marks=needs_numpy)])
+def test_a_resume_with_other_optimizers_or_schedules_is_one_line(tmp_path, layout):
+    project = project_copy(tmp_path, example("teacher"))
+    command = [sys.executable, "train.py", *RUN, *EXAMPLES["teacher"][2], "--model-layout", layout]
+    ok(run_cmd([*command, "--max-steps", "2"], project, PYTHONPATH=str(project)))
+    before = list_checkpoints(project / "checkpoints")
+    (project / "{{ cookiecutter.package_name }}/task.py").write_text(example("teacher").replace(
+        "def train_step(", OPTIMIZERS.format("(o := torch.optim.AdamW(model.student.parameters()),"
+                                             " torch.optim.lr_scheduler.StepLR(o, 5))",
+                                             "train_step"), 1))
+    line = one_error(run_cmd(command, project, PYTHONPATH=str(project)))
+    assert (f"checkpoint {before[0].relative_to(project)} holds the optimizers (schedules) "
+            "'default' (--lr-schedule); task.py gives 'default' (StepLR); use --resume never")\
+        in line
+    assert list_checkpoints(project / "checkpoints") == before
+
+
+# ---------------------------------------------------------------- the checks, in this process
+def optimization(configure=None, model: nn.Module | None = None, *flags: str) -> Optimization:
+    """The Optimization a run on the CPU builds over `model` (two small layers by default)."""
+    model = model or nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    return Optimization(model, parse_args(list(flags), None, warn=False), torch.device("cpu"),
+                        10, configure=configure)
+
+
+def sgd(module: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(module.parameters(), lr=0.1)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("made, says", [
+    (lambda model, cfg: {}, "not an empty dict"),
+    (lambda model, cfg: (sgd(model), "not a scheduler"), "not (SGD, str)"),
+    (lambda model, cfg: (sgd(model), None, None), "not (SGD, NoneType, NoneType)"),
+    (lambda model, cfg: (o := sgd(model), ReduceLROnPlateau(o)), "not (SGD, ReduceLROnPlateau): "
+     "a schedule steps with its optimizer, so one by a metric is not supported; use one by "
+     "step (e.g. LambdaLR) or --lr-schedule")])
+def test_what_configure_optimizer_returns_is_checked_before_training(made, says):
+    with pytest.raises(UsageError) as error:
+        optimization(made)
+    assert str(error.value).startswith("task.configure_optimizer must return a torch.optim.")
+    assert str(error.value).endswith(says)
+
+
+@pytest.mark.quick
+def test_the_default_step_refuses_two_optimizers_and_parts_named_as_the_runs_own():
+    two = optimization(lambda model, cfg: {"a": sgd(model[0]), "b": sgd(model[1])})
+    with pytest.raises(UsageError, match=r"gives 2 optimizers; the default step updates one: "
+                       r"define train_step\(step, batch\) in task.py, calling "
+                       r"step.update\(name\) for each \(docs/custom-step.md\)"):
+        plain_step(lambda model, batch: None, two.optimizers)
+    model = nn.Linear(2, 1)
+    optim = optimization(None, model)
+    step = Step(model, model, optim, optim.cfg)
+    for part in ("loss", "lr", "step"):
+        train_step = plain_step(lambda model, batch, part=part: (
+            (loss := model(batch).mean()), {part: loss.detach()}), optim.optimizers)
+        with pytest.raises(UsageError, match=f"task.loss_fn's parts: '{part}' is a name the run "
+                           "logs itself"):
+            train_step(step, torch.ones(4, 2))
+        optim.updated.clear()
+    with pytest.raises(UsageError, match="task.train_step: 'epoch' is a name the run logs"):
+        check_values({"loss": torch.ones(()), "epoch": torch.ones(())}, "task.train_step")
+    assert list(check_values({"loss": torch.ones(())}, "task.train_step")) == ["loss"]
+
+
+@pytest.mark.quick
+def test_an_update_twice_or_none_at_the_groups_last_batch_is_one_line():
+    optim = optimization()
+    optim.update()
+    with pytest.raises(UsageError, match="updated optimizer 'default' twice in one step"):
+        optim.update()
+    with pytest.raises(UsageError, match=r"never called step.update\(...\) at the last batch of "
+                       "a --grad-accum 3 group, where the optimizers step"):
+        optimization(None, None, "--grad-accum", "3").finish_step()
+    with pytest.raises(UsageError, match=r"never called step.update\(...\): no optimizer"):
+        optimization().finish_step()
+
+
+@pytest.mark.quick
+def test_trainable_parameters_no_optimizer_holds_are_named():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    assert optimization(lambda model, cfg: sgd(model[0]), model).unheld == ["1.weight", "1.bias"]
+    assert optimization(None, model).unheld == []
+    model[1].requires_grad_(False)  # frozen on purpose: nothing to say
+    assert optimization(lambda model, cfg: sgd(model[0]), model).unheld == []
+
+
+@pytest.mark.quick
+def test_a_checkpoint_of_other_optimizers_or_schedules_is_refused_in_one_line():
+    optim = optimization(lambda model, cfg: {"a": sgd(model[0]),
+                                             "b": (o := sgd(model[1]), StepLR(o, 2))})
+    optim.check_saved({"optim": optim.state_dict()}, "mine.pt")
+    optim.check_saved({"optim": {"scheduler": {}}}, "older.pt")  # from before it was saved
+    for saved in ({"a": "--lr-schedule"}, {"a": "--lr-schedule", "b": "--lr-schedule"},
+                  {"a": "--lr-schedule", "body": "StepLR"}):
+        with pytest.raises(UsageError) as error:
+            optim.check_saved({"optim": {"kinds": saved}}, "ckpt.pt")
+        there = ", ".join(f"'{name}' ({kind})" for name, kind in saved.items())
+        assert str(error.value) == (
+            f"checkpoint ckpt.pt holds the optimizers (schedules) {there}; task.py gives 'a' "
+            "(--lr-schedule), 'b' (StepLR); use --resume never to start over, or another "
+            "--checkpoint-dir")

@@ -83,7 +83,7 @@ class Trainer:
                                      world.is_main, self.metrics.record)
         # One batch of training: task.train_step, or the default step (step.py).
         self.custom_step = getattr(task, "train_step", None)
-        self.train_step = self.custom_step or plain_step(task.loss_fn)
+        self.train_step = self.custom_step or plain_step(task.loss_fn, optim.optimizers)
         self.step_state = Step(model, self.unwrapped, optim, cfg)
 
     def resume(self) -> None:
@@ -236,5 +236,10 @@ class Trainer:
         if self.cfg.warmup_steps > self.optim.total_steps and self.world.is_main:
             print(f"warning: --warmup-steps {self.cfg.warmup_steps} is longer than the run "
                   f"({self.optim.total_steps} steps): the learning rate never reaches --lr",
+                  file=sys.stderr, flush=True)
+        if (unheld := self.optim.unheld) and self.world.is_main:
+            print(f"warning: no optimizer of task.configure_optimizer holds {len(unheld)} "
+                  f"trainable parameters ({', '.join(unheld[:3])}{', ...' * (len(unheld) > 3)}): "
+                  "they never change; set requires_grad=False on those meant to stay frozen",
                   file=sys.stderr, flush=True)
         return None

@@ -10,6 +10,7 @@ import math
 import signal
 import sys
 import time
+import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,11 @@ from .failures import RunFailure, UsageError, agree
 from .meters import Progress, StepClock, StepProfiler, Throughput
 from .runtime.environments import World
 from .runtime.trackers import MetricsWriter
+
+# The fields of a metrics.jsonl line that the run writes itself: no logged value may take one.
+OWN_FIELDS = frozenset({"step", "epoch", "lr", "samples_per_s", "tokens_per_s", "mfu", "time_s",
+                        "peak_mem_mb", "peak_reserved_mb"})
+VALUES = 1024  # a log step's slots for the values a step returns: the same on every rank
 
 
 class Metrics:
@@ -97,9 +103,8 @@ class Metrics:
             if total is None:
                 kind = torch.promote_types(value.dtype, torch.float32)  # float64 stays so
                 total = self._sums[name] = torch.zeros((), dtype=kind, device=value.device)
-                self._counts[name] = 0
             total += value.detach() if value.dim() == 0 else value.detach().reshape(())
-            self._counts[name] += 1
+            self._counts[name] = self._counts.get(name, 0) + 1
         self._samples += samples
         self.progress.update()
 
@@ -148,9 +153,7 @@ class Metrics:
 
     def log(self, step: int, epoch: int) -> None:
         """Start averaging the loss over ranks and steps since the last log, and agreeing on a
-        stop request; `settle()` finishes it."""
-        if not self._sums:
-            return
+        stop request; `settle()` finishes it. Every rank takes part, whatever its step logs."""
         now = time.perf_counter()
         samples_per_s = self._samples * self.world.world_size / max(now - self._last_log_time, 1e-9)
         record = {"step": step, "epoch": epoch, **dict.fromkeys(self._sums), "lr": self.lr(),
@@ -242,22 +245,27 @@ class Metrics:
 class LogStats:
     """One all_reduce for a log step, started without waiting: each logged value's sum over ranks
     and batches and its count (their mean), whether any rank was asked to stop, and every rank's
-    peak memory (each rank fills its own slots: a gather). On a GPU (`queued`: NCCL on the
-    stream) its copy to the host is queued too, so `result()` waits for the copy alone, not for
-    the steps queued after it."""
+    peak memory and digest of its values' names (each rank fills its own slots: a gather). The
+    values have fixed slots, by name: ranks whose steps logged other names still agree, and their
+    digests tell. On a GPU (`queued`: NCCL on the stream) its copy to the host is queued too, so
+    `result()` waits for the copy alone, not for the steps queued after it."""
 
     def __init__(self, sums: dict[str, torch.Tensor], counts: dict[str, int], signum: int | None,
                  record: dict[str, Any], device: torch.device, comm_device: torch.device,
                  queued: bool) -> None:
         self.signum, self.record, self.names = signum, record, list(sums)
-        rank, world, k = dist.get_rank(), dist.get_world_size(), len(sums)
-        # [sums, stop, counts, peak memory]: filled where it lives, with no copy from host memory
-        # (one from pageable memory would make the host wait for the GPU).
-        stats = torch.zeros(2 * k + 1 + 2 * world, device=comm_device)
-        for i, name in enumerate(self.names):
-            stats[i], stats[k + 1 + i] = sums[name], counts[name]
-        stats[k] = float(signum is not None)
-        stats[2 * k + 1 + rank], stats[2 * k + 1 + world + rank] = peak_memory_mb(device)
+        rank, world, order = dist.get_rank(), dist.get_world_size(), sorted(sums)
+        self.slot = {name: i for i, name in enumerate(order)}
+        # [sums, counts, stop, peak memory, digests]: filled where it lives, with no copy from
+        # host memory (one from pageable memory would make the host wait for the GPU).
+        stats = torch.zeros(2 * VALUES + 1 + 3 * world, device=comm_device)
+        for i, name in enumerate(order[:VALUES]):
+            stats[i], stats[VALUES + i] = sums[name], counts[name]
+        stats[2 * VALUES] = float(signum is not None)
+        stats[2 * VALUES + 1 + rank], stats[-2 * world + rank] = peak_memory_mb(device)
+        # the names' digest (24 bits: exact in float32), or -1: more values than slots
+        stats[-world + rank] = (zlib.crc32("/".join(order).encode()) & 0xFFFFFF
+                                if len(order) <= VALUES else -1)
         self.work = dist.all_reduce(stats, async_op=True)
         self.copied: torch.cuda.Event | None = None
         if queued:
@@ -272,13 +280,20 @@ class LogStats:
             self.copied.synchronize()
         else:
             self.work.wait()
-        k = len(self.names)
-        values = self.stats.tolist()
-        sums, stop, counts = values[:k], values[k], values[k + 1:2 * k + 1]
-        memory = values[2 * k + 1:]
-        world = len(memory) // 2
-        return ({n: s / c for n, s, c in zip(self.names, sums, counts, strict=True)}, stop > 0,
-                [round(v, 1) for v in memory[:world]], [round(v, 1) for v in memory[world:]])
+        values, world, rank = self.stats.tolist(), dist.get_world_size(), dist.get_rank()
+        memory, digests = values[2 * VALUES + 1:-world], values[-world:]
+        if min(digests) < 0:
+            raise UsageError(f"a step returned more than {VALUES} values to log; log fewer",
+                             everywhere=True)
+        if min(digests) != max(digests):
+            others = ", ".join(str(r) for r, d in enumerate(digests) if d != digests[rank])
+            raise UsageError(f"the values logged by step {self.record['step']} differ in name "
+                             f"between ranks: rank {rank} logs {', '.join(self.slot) or 'none'}, "
+                             f"rank(s) {others} others; return the same names on every rank (0 "
+                             "for a part a batch lacks)", everywhere=True)
+        return ({n: values[self.slot[n]] / values[VALUES + self.slot[n]] for n in self.names},
+                values[2 * VALUES] > 0, [round(v, 1) for v in memory[:world]],
+                [round(v, 1) for v in memory[world:]])
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, float]:

@@ -71,20 +71,17 @@ class Optimization:
         made = configure(unwrap(model), cfg) if configure else torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
             weight_decay=cfg.weight_decay, fused=True if device.type == "cuda" else None)
-        self.optimizers, self.schedulers = Optimizers(), {}
-        for name, value in (made if isinstance(made, dict) else {"default": made}).items():
-            optimizer, scheduler = value if isinstance(value, tuple) else (value, None)
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise UsageError("task.configure_optimizer must return a torch.optim.Optimizer, "
-                                 "an (optimizer, scheduler) pair or a dict of them by name, not "
-                                 f"{type(value).__name__}", everywhere=True)
+        self.optimizers, self.schedulers, self.kinds = Optimizers(), {}, {}  # kinds: resume checks
+        for name, value in (made if isinstance(made, dict) and made else {"default": made}).items():
+            optimizer, scheduler = checked(value)
             self.optimizers[name] = optimizer
+            self.kinds[name] = type(scheduler).__name__ if scheduler else "--lr-schedule"
             self.schedulers[name] = scheduler or torch.optim.lr_scheduler.LambdaLR(
                 optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
         self.only = next(iter(self.optimizers))  # the name `update()` means, if only one
         self.params = {name: [p for g in o.param_groups for p in g["params"]]
                        for name, o in self.optimizers.items()}
-        check_disjoint(self.params, unwrap(model))
+        self.unheld = check_disjoint(self.params, unwrap(model))
         # fsdp on CUDA casts through its own mixed-precision policy instead of autocast.
         self.amp_dtype = AMP_DTYPES[cfg.precision] if autocast else None
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16")
@@ -104,6 +101,9 @@ class Optimization:
         """Optimizer `name` steps (the only one when None): clip its true gradients, step, zero
         them, then its schedule."""
         name = self.named(name)
+        if name in self.updated:  # its schedule would step twice a step
+            raise UsageError(f"task.train_step updated optimizer '{name}' twice in one step; call "
+                             "step.update once a step for each optimizer", everywhere=True)
         optimizer = self.optimizers[name]
         if self.cfg.clip_grad > 0:
             self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
@@ -128,7 +128,9 @@ class Optimization:
         """After a step's last batch: one scale update (fp16), the gradients left by a backward
         after its optimizer's update zeroed, the EMA. True when the weights changed."""
         if not self.updated:
-            raise UsageError("task.train_step never called step.update(...): no optimizer "
+            at = (f" at the last batch of a --grad-accum {self.cfg.grad_accum} group, where the "
+                  "optimizers step (call it at every batch)" if self.cfg.grad_accum > 1 else "")
+            raise UsageError(f"task.train_step never called step.update(...){at}: no optimizer "
                              "stepped, so nothing would learn", everywhere=True)
         self.scaler.update()
         if len(self.optimizers) > 1:  # a later backward may have reached an updated optimizer
@@ -146,8 +148,17 @@ class Optimization:
         """Schedulers and scaler (the optimizers' own state is saved with the model)."""
         schedulers = {name: s.state_dict() for name, s in self.schedulers.items()}
         one = list(schedulers) == ["default"]
-        return {"scheduler": schedulers["default"] if one else schedulers,
+        return {"scheduler": schedulers["default"] if one else schedulers, "kinds": self.kinds,
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
+
+    def check_saved(self, meta: dict[str, Any], path: Any) -> None:
+        """A checkpoint of other optimizers or schedules is one line, before anything loads."""
+        if (saved := meta["optim"].get("kinds", self.kinds)) != self.kinds:  # older: not saved
+            there, here = (", ".join(f"'{n}' ({k})" for n, k in kinds.items())
+                           for kinds in (saved, self.kinds))
+            raise UsageError(f"checkpoint {path} holds the optimizers (schedules) {there}; "
+                             f"task.py gives {here}; use --resume never to start over, or "
+                             "another --checkpoint-dir", everywhere=True)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         one = list(self.schedulers) == ["default"]
@@ -157,8 +168,24 @@ class Optimization:
             self.scaler.load_state_dict(state["scaler"])
 
 
-def check_disjoint(params: dict[str, list[torch.Tensor]], model: nn.Module) -> None:
-    """No parameter in two optimizers: each would step it."""
+def checked(value: Any) -> tuple[torch.optim.Optimizer, Any]:
+    """One of task.configure_optimizer's values as (optimizer, scheduler or None), or one line."""
+    optimizer, scheduler = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
+    plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if isinstance(optimizer, torch.optim.Optimizer) and not plateau and isinstance(
+            scheduler, torch.optim.lr_scheduler.LRScheduler | None):
+        return optimizer, scheduler
+    got = (f"({', '.join(type(v).__name__ for v in value)})" if isinstance(value, tuple)
+           else "an empty dict" if value == {} else type(value).__name__)
+    raise UsageError("task.configure_optimizer must return a torch.optim.Optimizer, an "
+                     f"(optimizer, scheduler) pair or a dict of them by name, not {got}" + (
+                         ": a schedule steps with its optimizer, so one by a metric is not "
+                         "supported; use one by step (e.g. LambdaLR) or --lr-schedule"
+                         if plateau else ""), everywhere=True)
+
+
+def check_disjoint(params: dict[str, list[torch.Tensor]], model: nn.Module) -> list[str]:
+    """No parameter in two optimizers: each would step it. Returns the trainable ones in none."""
     names = {id(p): name for name, p in model.named_parameters()}
     owner: dict[int, str] = {}
     for optimizer, group in params.items():
@@ -169,6 +196,7 @@ def check_disjoint(params: dict[str, list[torch.Tensor]], model: nn.Module) -> N
                                  f"and '{optimizer}'; give each parameter to one optimizer",
                                  everywhere=True)
             owner[id(p)] = optimizer
+    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owner]
 
 
 def optimizer_state(model: nn.Module, cfg: Config,

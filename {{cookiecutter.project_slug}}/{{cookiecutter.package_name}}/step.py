@@ -22,6 +22,7 @@ from torch import nn
 
 from .config import Config
 from .failures import UsageError
+from .metrics import OWN_FIELDS
 from .optim import Optimization
 
 
@@ -63,9 +64,14 @@ class Step:
             self.optim.named(name)  # a name that does not exist is an error at every batch
 
 
-def plain_step(loss_fn: Callable) -> Callable[[Step, Any], dict[str, torch.Tensor]]:
+def plain_step(loss_fn: Callable, optimizers: dict) -> Callable[[Step, Any], dict[str, Any]]:
     """The default step: task.loss_fn's loss (and its parts, when it returns
     `(loss, {name: tensor})`), its backward, and the one optimizer's update."""
+    if len(optimizers) > 1:
+        raise UsageError(f"task.configure_optimizer gives {len(optimizers)} optimizers; the "
+                         "default step updates one: define train_step(step, batch) in task.py, "
+                         "calling step.update(name) for each (docs/custom-step.md)",
+                         everywhere=True)
     checked = False
 
     def train_step(step: Step, batch: Any) -> dict[str, torch.Tensor]:
@@ -78,9 +84,8 @@ def plain_step(loss_fn: Callable) -> Callable[[Step, Any], dict[str, torch.Tenso
             checked = True
         step.backward(loss)
         step.update()
-        if parts:
-            return {"loss": loss, **check_values(parts, "task.loss_fn's parts")}
-        return {"loss": loss}
+        return {"loss": loss, **check_values(parts or {}, "task.loss_fn's parts",
+                                             OWN_FIELDS | {"loss"})}
 
     return train_step
 
@@ -92,11 +97,14 @@ def check_loss(loss: Any) -> None:
                          f"that requires grad; it returned {shape}", everywhere=True)
 
 
-def check_values(values: Any, where: str) -> dict[str, torch.Tensor]:
-    """A step's result, `{name: scalar tensor}`, or one error line."""
+def check_values(values: Any, where: str, taken: frozenset[str] = OWN_FIELDS) -> dict[str, Any]:
+    """A step's result, `{name: scalar tensor}` with no name `taken`, or one error line."""
     if isinstance(values, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                         and v.numel() == 1 for k, v in values.items()):
-        return values
+        if not (clash := taken.intersection(values)):
+            return values
+        raise UsageError(f"{where}: {min(clash)!r} is a name the run logs itself "
+                         f"({', '.join(sorted(taken))}); rename it", everywhere=True)
     got = ({k: tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             for k, v in values.items()} if isinstance(values, dict) else type(values).__name__)
     raise UsageError(f"{where} must return a dict of scalar tensors by name (logged as they "

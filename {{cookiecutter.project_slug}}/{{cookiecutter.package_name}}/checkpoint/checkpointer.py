@@ -209,8 +209,8 @@ class Checkpointer:
     def _load(self, path: storage.AnyPath) -> dict[str, Any]:
         """Every rank: the checkpoint into the model, optimizer, schedule, EMA and comm hook."""
         try:
-            meta = load_into(path, self.model, self.optim.optimizers, self.world.world_size,
-                             self.world.rank, self.cfg.batch_size, self.device, self.optim.ema)
+            meta = load_into(path, self.model, self.optim, self.world.world_size,
+                             self.world.rank, self.cfg.batch_size, self.device)
         except ProjectError:
             raise
         except Exception as exc:  # its metadata read, but not all loads

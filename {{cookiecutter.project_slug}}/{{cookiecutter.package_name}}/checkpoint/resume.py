@@ -15,13 +15,12 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..ema import EMA
 from ..failures import UsageError
 from . import storage
 from .files import is_complete, list_checkpoints, load_checkpoint, read_meta, step_of, unreadable
 
 if TYPE_CHECKING:
-    from ..optim import Optimizers
+    from ..optim import Optimization
 
 
 # ---------------------------------------------------------------------- which checkpoint
@@ -81,22 +80,23 @@ def check_same_shapes(model_state: dict[str, torch.Tensor], saved: dict[str, Any
                          f"{way_out}", everywhere=True)
 
 
-def load_into(path: Path, model: torch.nn.Module, optimizers: Optimizers,
-              world_size: int, rank: int, batch_size: int, device: torch.device,
-              ema: EMA | None = None) -> dict[str, Any]:
-    """Load a checkpoint (file or folder, from any layout) into this rank's model, optimizer and
+def load_into(path: Path, model: torch.nn.Module, optim: Optimization, world_size: int,
+              rank: int, batch_size: int, device: torch.device) -> dict[str, Any]:
+    """Load a checkpoint (file or folder, from any layout) into this rank's model, optimizers and
     EMA; returns its metadata. Random states are restored when the world and batch size are the
     same: then the run continues bit for bit."""
     from . import sharded  # torch.distributed.checkpoint: imported by the runs that resume
+    ema = optim.ema
     if path.is_dir():
-        meta = read_meta(path)
+        optim.check_saved(meta := read_meta(path), path)
         extra = {"ema": ema.state_dict()} if ema is not None and meta.get("has_ema") else {}
-        rng = sharded.load(path, model, optimizers, extra)
+        rng = sharded.load(path, model, optim.optimizers, extra)
         saved_ema = extra.get("ema")
     else:
         state = load_checkpoint(path, map_location="cpu")
         check_same_shapes(model.state_dict(), state["model"], path)
-        sharded.set_full_state(model, optimizers, state["model"], state["optimizer"])
+        optim.check_saved(state, path)
+        sharded.set_full_state(model, optim.optimizers, state["model"], state["optimizer"])
         meta, rng, saved_ema = state, state.get("rng"), state.get("ema")
     if ema is not None and saved_ema:
         ema.load_state_dict(saved_ema)
