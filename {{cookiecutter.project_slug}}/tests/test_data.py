@@ -267,7 +267,7 @@ def one_process_group():
 @pytest.mark.parametrize("queued", [False, True])
 def test_the_log_step_reads_its_all_reduce_later_through_a_queued_copy(monkeypatch, queued,
                                                                        one_process_group):
-    from {{ cookiecutter.package_name }}.metrics import LogStats
+    from {{ cookiecutter.package_name }}.meters import LogStats
 
     log = FakeCuda(monkeypatch).log
     stats = LogStats({"loss": torch.tensor(6.0), "part": torch.tensor(1.5)}, {"loss": 3, "part": 1},

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import storage
-from .evaluation import parse_goal
+from .evaluation import early_stop_flag, goal_flag
 from .failures import local_rank_from_env
 from .settings import (  # task.py imports `setting` from .settings too
     decay,
@@ -44,24 +44,6 @@ SEED_MAX = 2**31 - 1  # the seed is offset per rank and per worker; keep it a pl
 @dataclass
 class NoSettings:
     """The settings of a task.py that declares none."""
-
-
-# ---------------------------------------------------------------------- value checks
-# (the checks of METRIC goals; settings.py has the others)
-def _goal(text: str) -> str:
-    try:
-        parse_goal(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _early_stop(text: str) -> str:
-    goal, _, patience = text.rpartition(":")
-    if not goal or not patience.isdigit() or int(patience) < 1:
-        raise argparse.ArgumentTypeError(f"expected METRIC[:max|min]:PATIENCE with PATIENCE at "
-                                         f"least 1, e.g. val_loss:3, got {text!r}")
-    return f"{_goal(goal)}:{patience}"
 
 
 # ---------------------------------------------------------------------- the settings
@@ -125,6 +107,13 @@ class Config:
                                   "most a quarter of the free memory lives there (no copy per "
                                   "step; --num-workers 0 only)", choices=["auto", "never"],
                                   group="data")
+    shard_cache: str = setting("~/.cache/shards", "--data at a URL: the folder on this machine "
+                               "that keeps its shards while they are used", group="data")
+    shard_cache_gb: float = setting(50.0, "the most --shard-cache holds (least recently used "
+                                    "shards go)", type=number("float", 0, 1e6, above=True),
+                                    group="data")
+    shuffle_window: int = setting(16, "--data a shard set: its samples are shuffled across this "
+                                  "many shards at a time (and the shards too)", low=1, group="data")
     sync_bn: bool = setting(False, "convert BatchNorm to SyncBatchNorm (CUDA only; a warning on "
                             "CPU)", group="data")
     model_layout: str = setting(DEFAULT_MODEL_LAYOUT, "one device per process (DDP), the model "
@@ -173,10 +162,10 @@ class Config:
     eval_only: bool = setting(False, "evaluate the --resume checkpoint, write "
                               "<output-dir>/eval.json, change nothing", group="output")
     keep_best: str | None = setting(None, "also keep the checkpoint with the best METRIC (e.g. "
-                                    "val_accuracy:max), whatever --keep-last says", type=_goal,
+                                    "val_accuracy:max), whatever --keep-last says", type=goal_flag,
                                     metavar="METRIC[:max|min]", group="output")
     early_stop: str | None = setting(None, "stop when METRIC has not improved for PATIENCE "
-                                     "evaluations", type=_early_stop,
+                                     "evaluations", type=early_stop_flag,
                                      metavar="METRIC[:max|min]:PATIENCE", group="output")
     log_every: int = setting(10, "log every N optimizer steps", low=1, group="output")
     step_times: str | None = setting(None, "write rank 0's wall-clock time at the end of every "
@@ -275,7 +264,9 @@ def problems(cfg: Config) -> list[str]:
     for flag, value in (("--checkpoint-dir", cfg.checkpoint_dir), ("--resume", cfg.resume)):
         if why := storage.url_problem(value):
             return [f"{flag} {storage.redact(value)}: {why}"]
-    if cfg.data is not None and not Path(cfg.data).exists():
+    if cfg.data is not None and (why := storage.url_problem(cfg.data)):
+        found.append(f"--data {storage.redact(cfg.data)}: {why}")
+    elif cfg.data is not None and not storage.is_url(cfg.data) and not Path(cfg.data).exists():
         found.append(f"--data {cfg.data}: no such file or folder")
     for flag, value in (("--checkpoint-dir", cfg.checkpoint_dir), ("--output-dir", cfg.output_dir)):
         if not storage.is_url(value) and Path(value).exists() and not Path(value).is_dir():

@@ -72,15 +72,18 @@ class ShardedBatchSampler:
 
     Like DistributedSampler + BatchSampler: the epoch's permutation (seeded by seed + epoch) is
     padded to a multiple of the world size and dealt out round-robin, so every rank has the same
-    number of samples; the last batch may be short.
+    number of samples; the last batch may be short. Batch k of every rank together is the same
+    samples at any world size with the same global batch (batch size x world size).
     """
 
     def __init__(self, size: int, rank: int, world_size: int, batch_size: int, seed: int,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, order: Callable[[int, int], torch.Tensor] | None = None
+                 ) -> None:
         if size < 1:
             raise ValueError("the data set is empty")
         self.size, self.rank, self.world_size = size, rank, world_size
         self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
+        self.order = order  # (seed, epoch) -> the epoch's order, if not a plain shuffle
         self.shard_size = math.ceil(size / world_size)
         self.epoch, self.start_batch = 0, 0
         self.device = torch.device("cpu")  # where the indices go: `to`
@@ -105,7 +108,9 @@ class ShardedBatchSampler:
         return self.batches_per_epoch() - self.start_batch
 
     def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
-        if self.shuffle:
+        if self.order is not None:  # a data set's own (a shard set's: shards, then windows)
+            order = self.order(self.seed, self.epoch)
+        elif self.shuffle:
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(
                 self.seed + self.epoch))
         else:

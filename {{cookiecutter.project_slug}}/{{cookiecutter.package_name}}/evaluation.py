@@ -7,6 +7,7 @@ decides when to evaluate and what follows: the log, --keep-best and --early-stop
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -101,6 +102,24 @@ def parse_goal(text: str) -> tuple[str, bool]:
     if not direction and not name.endswith("loss"):
         raise ValueError(f"say whether higher or lower is better: {name}:max or {name}:min")
     return name, direction == "max"
+
+
+def goal_flag(text: str) -> str:
+    """--keep-best's METRIC[:max|min], checked."""
+    try:
+        parse_goal(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def early_stop_flag(text: str) -> str:
+    """--early-stop's METRIC[:max|min]:PATIENCE, checked."""
+    goal, _, patience = text.rpartition(":")
+    if not goal or not patience.isdigit() or int(patience) < 1:
+        raise argparse.ArgumentTypeError(f"expected METRIC[:max|min]:PATIENCE with PATIENCE at "
+                                         f"least 1, e.g. val_loss:3, got {text!r}")
+    return f"{goal_flag(goal)}:{patience}"
 
 
 class ModelSelection:

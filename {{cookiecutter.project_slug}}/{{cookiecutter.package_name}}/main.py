@@ -89,7 +89,7 @@ def build_data(cfg: Config, world: World, device: torch.device,
     loader, and the evaluator of the validation set (None without one)."""
     train_set, val_set = load_datasets(cfg)
     batches = ShardedBatchSampler(len(train_set), world.rank, world.world_size, cfg.batch_size,
-                                  cfg.seed)
+                                  cfg.seed, order=getattr(train_set, "epoch_order", None))
     return loaders(cfg, world, train_set, val_set, batches, device, comm_device)
 
 

@@ -1,15 +1,22 @@
 """The instruments of a run: the progress bar, the step clock (--step-times), the profiler
-(--profile-steps), and tokens/s and MFU. metrics.py reads them."""
+(--profile-steps), tokens/s and MFU, and a log step's one collective (LogStats: the logged values
+over ranks, the stop agreement, peak memory). metrics.py reads them."""
 
 from __future__ import annotations
 
 import statistics
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from .failures import UsageError
+
+VALUES = 1024  # a log step's slots for the values a step returns: the same on every rank
 
 
 class Progress:
@@ -155,3 +162,70 @@ class Throughput:
                if self.flops_per_token else None)
         return {"tokens_per_s": round(tokens_per_s, 1),
                 "mfu": None if mfu is None else round(mfu, 4)}
+
+
+class LogStats:
+    """One all_reduce for a log step, started without waiting: each logged value's sum over ranks
+    and batches and its count (their mean), whether any rank was asked to stop, and every rank's
+    peak memory and digest of its values' names (each rank fills its own slots: a gather). The
+    values have fixed slots, by name: ranks whose steps logged other names still agree, and their
+    digests tell. On a GPU (`queued`: NCCL on the stream) its copy to the host is queued too, so
+    `result()` waits for the copy alone, not for the steps queued after it."""
+
+    def __init__(self, sums: dict[str, torch.Tensor], counts: dict[str, int], signum: int | None,
+                 record: dict[str, Any], device: torch.device, comm_device: torch.device,
+                 queued: bool) -> None:
+        self.signum, self.record, self.names = signum, record, list(sums)
+        rank, world, order = dist.get_rank(), dist.get_world_size(), sorted(sums)
+        self.slot = {name: i for i, name in enumerate(order)}
+        # [sums, counts, stop, peak memory, digests]: filled where it lives, with no copy from
+        # host memory (one from pageable memory would make the host wait for the GPU).
+        stats = torch.zeros(2 * VALUES + 1 + 3 * world, device=comm_device)
+        for i, name in enumerate(order[:VALUES]):
+            stats[i], stats[VALUES + i] = sums[name], counts[name]
+        stats[2 * VALUES] = float(signum is not None)
+        stats[2 * VALUES + 1 + rank], stats[-2 * world + rank] = peak_memory_mb(device)
+        # the names' digest (24 bits: exact in float32), or -1: more values than slots
+        stats[-world + rank] = (zlib.crc32("/".join(order).encode()) & 0xFFFFFF
+                                if len(order) <= VALUES else -1)
+        self.work = dist.all_reduce(stats, async_op=True)
+        self.copied: torch.cuda.Event | None = None
+        if queued:
+            self.work.wait()  # NCCL: the stream waits, the host goes on
+            stats = stats.to("cpu", non_blocking=True)  # into pinned memory
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        self.stats = stats
+
+    def result(self) -> tuple[dict[str, float], bool, list[float], list[float]]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        else:
+            self.work.wait()
+        values, world, rank = self.stats.tolist(), dist.get_world_size(), dist.get_rank()
+        memory, digests = values[2 * VALUES + 1:-world], values[-world:]
+        if min(digests) < 0:
+            raise UsageError(f"a step returned more than {VALUES} values to log; log fewer",
+                             everywhere=True)
+        if min(digests) != max(digests):
+            others = ", ".join(str(r) for r, d in enumerate(digests) if d != digests[rank])
+            raise UsageError(f"the values logged by step {self.record['step']} differ in name "
+                             f"between ranks: rank {rank} logs {', '.join(self.slot) or 'none'}, "
+                             f"rank(s) {others} others; return the same names on every rank (0 "
+                             "for a part a batch lacks)", everywhere=True)
+        return ({n: values[self.slot[n]] / values[VALUES + self.slot[n]] for n in self.names},
+                values[2 * VALUES] > 0, [round(v, 1) for v in memory[:world]],
+                [round(v, 1) for v in memory[world:]])
+
+
+def peak_memory_mb(device: torch.device) -> tuple[float, float]:
+    """(peak allocated, peak reserved) on a GPU; (peak resident set, 0) of this process on CPU."""
+    if device.type == "cuda":
+        return (torch.cuda.max_memory_allocated(device) / 2**20,
+                torch.cuda.max_memory_reserved(device) / 2**20)
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0.0, 0.0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return (rss / 2**20 if sys.platform == "darwin" else rss / 2**10), 0.0  # bytes vs KiB

@@ -5,7 +5,8 @@ This example: a small CNN that sorts 3x16x16 images into classes, trained with c
 scored by accuracy. Synthetic images by default; `--data FOLDER` reads an image folder, one
 sub-folder per class (`FOLDER/cat/001.jpg`, ...), decoding one image at a time from disk with
 Pillow (JPEG, PNG, PPM, WebP, ...: what torchvision's ImageFolder reads), with a random horizontal
-flip for training (use `--num-workers N` to decode in worker processes).
+flip for training (use `--num-workers N` to decode in worker processes). `--data` may also name a
+shard set made from such a folder, in a folder or a bucket (docs/data.md).
 
 The rest of the project relies on:
     build_datasets(cfg) -> (train, val)    map-style Datasets, the same on every rank (val or None)
@@ -27,9 +28,11 @@ Optional:
 from __future__ import annotations
 
 import copy
+import io
 import os
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,9 +42,11 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
+from .checkpoint import storage
 from .data import InMemoryDataset, split_for_validation
 from .failures import UsageError, local_rank_from_env
 from .settings import setting
+from .shards.read import ShardSet, is_shard_set, read_index
 
 if TYPE_CHECKING:  # for the type hints only
     from .config import Config
@@ -114,17 +119,18 @@ def image_files(folder: Path, root: str | Path, keep_broken: bool = False) -> li
     return files
 
 
-def read_image(path: Path) -> torch.Tensor:
-    """An image file as a CHANNELS x H x W uint8 tensor (grey and colour-mapped images become
-    RGB; 16-bit grey, and 32-bit grey in 0..65535 or in 0..1 (floats), is scaled to 8 bits). A
-    file that cannot be decoded is one `error:` line naming it."""
+def read_image(path: Path | bytes) -> torch.Tensor:
+    """An image file (or its bytes) as a CHANNELS x H x W uint8 tensor (grey and colour-mapped
+    images become RGB; 16-bit grey, and 32-bit grey in 0..65535 or in 0..1 (floats), is scaled to
+    8 bits). A file that cannot be decoded is one `error:` line naming it."""
     try:
-        with Image.open(path) as image:
+        with Image.open(io.BytesIO(path) if isinstance(path, bytes) else path) as image:
             # convert() decodes the whole file: a truncated one fails here. 16-bit grey widens to
             # "I" losslessly, where "RGB" would clip every value above 255 to white.
             wide = image.mode in ("I", "F") or image.mode.startswith("I;16")
             image = image.convert("F" if image.mode == "F" else "I" if wide else "RGB")
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        path = "it" if isinstance(path, bytes) else path  # (a shard set names the sample)
         raise UsageError(f"--data: {path} cannot be decoded as an image ({exc}); remove or "
                          "replace it, or pass --skip-bad-images to leave such files out") from None
     if not wide:
@@ -172,11 +178,13 @@ class ImageFolder(Dataset):
         return len(self.files)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        path, label = self.files[index]
-        image = model_input(read_image(path))
-        if self.augment and torch.rand(()) < 0.5:
-            image = image.flip(-1)
-        return image, torch.tensor(label)
+        return image_sample(*self.files[index], augment=self.augment)
+
+
+def image_sample(image: Path | bytes, label: int, augment: bool) -> tuple[torch.Tensor, ...]:
+    """An image file (or its bytes) and its label as the model sees them."""
+    x = model_input(read_image(image))
+    return x.flip(-1) if augment and torch.rand(()) < 0.5 else x, torch.tensor(label)
 
 
 def model_input(image: torch.Tensor) -> torch.Tensor:
@@ -211,7 +219,12 @@ def class_names(root: str | Path) -> list[str]:
 
 def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     """Training and validation data, identical on every rank. Synthetic: --dataset-size images
-    plus --val-fraction of that as validation. A folder: --val-fraction of its images held out."""
+    plus --val-fraction of that as validation. A folder: --val-fraction of its images held out.
+    A shard set: --val-fraction of each shard's images held out."""
+    if is_shard_set(cfg.data):
+        train, val = (ShardSet(cfg.data, cfg, part, partial(image_sample, augment=part == "train"))
+                      for part in ("train", "val"))
+        return train, val if len(val) else None
     if cfg.data:
         train_files = ImageFolder(cfg.data, augment=True, skip_bad=cfg.task.skip_bad_images)
         val_files = copy.copy(train_files)  # the same files, listed and checked once
@@ -256,8 +269,14 @@ class SmallCNN(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
+def classes(data: str | None) -> list[str] | None:
+    """The class names of --data (None: the synthetic data's)."""
+    return (read_index(data)["classes"] if is_shard_set(data) else class_names(data) if data
+            else None)
+
+
 def build_model(cfg: Config) -> nn.Module:
-    num_classes = len(class_names(cfg.data)) if cfg.data else SYNTHETIC_CLASSES
+    num_classes = len(classes(cfg.data) or range(SYNTHETIC_CLASSES))
     return SmallCNN(num_classes, cfg.task.hidden_size, cfg.task.num_layers, cfg.task.batch_norm)
 
 
@@ -281,7 +300,7 @@ def eval_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> 
 
 def predict(model: nn.Module, inputs: list[str], cfg: Config) -> list[str]:
     """Image files -> the most likely class of each (scripts/predict.py)."""
-    names = class_names(cfg.data) if cfg.data and Path(cfg.data).is_dir() else None
+    names = classes(cfg.data) if cfg.data and storage.location(cfg.data).is_dir() else None
     images = torch.stack([model_input(read_image(Path(path))) for path in inputs])
     probabilities = model(images).float().softmax(-1)
     best, labels = probabilities.max(-1)

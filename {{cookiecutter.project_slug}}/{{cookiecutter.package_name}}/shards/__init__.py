@@ -1,0 +1,13 @@
+"""Shard sets: data larger than one disk, streamed from a folder or a bucket (docs/data.md).
+
+    python -m {{ cookiecutter.package_name }}.shards SRC DEST     write one (write.py)
+    train.py --data DEST                     train on it (read.py)
+
+A shard set is a folder or a URL prefix holding `index.json` (written last: a set without it is
+not complete) and the shards `NNNNN.bin`. Images: a shard's files back to back, with `NNNNN.idx`
+(int64 rows of offset, length, label), so any sample is read alone. Text: one stream of token ids
+per shard (`tokenizer.json` beside them); a sample is the seq_len + 1 tokens at seq_len * i, so
+where it lies is arithmetic."""
+
+INDEX = "index.json"
+TOKENIZER = "tokenizer.json"

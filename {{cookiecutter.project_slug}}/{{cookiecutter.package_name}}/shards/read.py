@@ -1,0 +1,194 @@
+"""Reading a shard set: what `--data` trains on when it names one (shards/__init__.py).
+
+`ShardSet` is a map-style Dataset of one part of the set: training, or validation (the last
+--val-fraction of each shard's samples). A local set is read in place. A set at a URL is read
+through a cache folder on this machine (--shard-cache): a shard is downloaded whole the first time
+one of its samples is asked for, by any rank or data worker of the machine, and the least recently
+used shards go when the cache would pass --shard-cache-gb. Training starts after the first window's
+shards, not the whole set.
+
+`epoch_order` is the order of an epoch: the shards shuffled, then the samples of each window of
+--shuffle-window shards shuffled together; a pure function of the seed and the epoch. The sampler
+deals global batch k to the ranks as the same samples at any world size, so a run resumed at another
+number of processes with the same global batch trains each sample of the epoch once."""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from ..checkpoint import storage
+from ..failures import RunFailure, UsageError
+from . import INDEX, TOKENIZER
+
+TRIES = 4  # a download that fails is tried this often, with a growing pause, before the run stops
+
+
+def is_shard_set(data: str | None) -> bool:
+    """Whether `--data` names a shard set (a folder or URL with index.json)."""
+    if not data:
+        return False
+    try:
+        return (storage.location(data) / INDEX).exists()
+    except OSError as exc:  # object storage: credentials, endpoint, bucket
+        raise UsageError(f"--data {storage.redact(data)}: {storage.diagnosis(data, exc)}",
+                         everywhere=True) from None
+
+
+def read_index(data: str) -> dict[str, Any]:
+    return json.loads((storage.location(data) / INDEX).read_text())
+
+
+class ShardSet(Dataset):
+    """The samples of `part` ("train" or "val") of the shard set at `data`. Images come as
+    `transform(file_bytes, label)`; tokens as windows of `seq_len` + 1 ids."""
+
+    def __init__(self, data: str, cfg: Any, part: str, transform: Callable | None = None,
+                 seq_len: int = 0) -> None:
+        self.data, self.transform, self.seq_len = data, transform, seq_len
+        self.index = read_index(data)
+        self.images = self.index["kind"] == "images"
+        self.window, self.root = cfg.shuffle_window, storage.location(data)
+        self.cache = (Cache(self.root, cfg.shard_cache, cfg.shard_cache_gb, self.index)
+                      if isinstance(self.root, storage.RemotePath) else None)
+        self.ranges = []  # per shard: (first, end) of this part's samples in it
+        for shard in self.index["shards"]:
+            n = shard["samples"] if self.images else max(0, (shard["samples"] - 1) // seq_len)
+            cut = n - int(n * cfg.val_fraction)
+            self.ranges.append((0, cut) if part == "train" else (cut, n))
+        self.starts = [0]
+        for first, end in self.ranges:
+            self.starts.append(self.starts[-1] + end - first)
+        check_files(self.root, data, self.index)
+        self._files: dict[str, Any] = {}
+        self._rows: dict[str, torch.Tensor] = {}
+        self.summary = ({"tokenizer": self.index["tokenizer"]} if not self.images else {})
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getstate__(self) -> dict[str, Any]:  # to a data worker: no open files
+        return {**self.__dict__, "_files": {}}
+
+    def __getitem__(self, i: int) -> Any:
+        shard = bisect.bisect_right(self.starts, i) - 1
+        name = self.index["shards"][shard]["name"]
+        j = self.ranges[shard][0] + i - self.starts[shard]
+        if not self.images:
+            size = 2 if self.index["dtype"] == "uint16" else 4
+            ids = self._read(f"{name}.bin", j * self.seq_len * size, (self.seq_len + 1) * size)
+            kind = torch.uint16 if size == 2 else torch.int32
+            return torch.frombuffer(bytearray(ids), dtype=kind).long()
+        if name not in self._rows:
+            rows = self._read(f"{name}.idx", 0, None)
+            self._rows[name] = torch.frombuffer(bytearray(rows), dtype=torch.int64).view(-1, 3)
+        offset, length, label = self._rows[name][j].tolist()
+        try:
+            return self.transform(self._read(f"{name}.bin", offset, length), label)
+        except UsageError as exc:
+            raise UsageError(f"--data {self.data}: sample {j} of shard {name}: {exc}") from None
+
+    def _read(self, file: str, offset: int, length: int | None) -> bytes:
+        handle = self._files.get(file)
+        if handle is None:
+            path = self.cache.get(file) if self.cache else self.root / file
+            handle = self._files[file] = open(path, "rb")  # noqa: SIM115 (kept open)
+            if len(self._files) > 64:  # at most this many open at once
+                self._files.pop(next(iter(self._files))).close()
+        handle.seek(offset)
+        return handle.read() if length is None else handle.read(length)
+
+    def epoch_order(self, seed: int, epoch: int) -> torch.Tensor:
+        """This part's samples in the order of `epoch`: shards shuffled, then each window of
+        --shuffle-window shards' samples shuffled together."""
+        g = torch.Generator().manual_seed(seed + epoch)
+        shards = torch.randperm(len(self.ranges), generator=g).tolist()
+        parts = []
+        for w in range(0, len(shards), self.window):
+            ids = torch.cat([torch.arange(self.starts[s], self.starts[s + 1])
+                             for s in shards[w:w + self.window]])
+            parts.append(ids[torch.randperm(len(ids), generator=g)])
+        return torch.cat(parts)
+
+    def tokenizer_path(self) -> Path | storage.AnyPath:
+        return self.cache.get(TOKENIZER) if self.cache else self.root / TOKENIZER
+
+
+def check_files(root: storage.AnyPath, data: str, index: dict[str, Any]) -> None:
+    """Every shard is there at its full size (one listing): a truncated or missing one is one
+    line before training, not a failure an hour in."""
+    try:
+        found = {p.name: p.stat().st_size for p in root.iterdir()}
+    except OSError as exc:
+        raise UsageError(f"--data {storage.redact(data)}: {storage.diagnosis(data, exc)}",
+                         everywhere=True) from None
+    for shard in index["shards"]:
+        for file, size in ((f"{shard['name']}.bin", shard["bytes"]),
+                           (f"{shard['name']}.idx", shard.get("idx_bytes"))):
+            if size is not None and found.get(file) != size:
+                what = "missing" if file not in found else f"{found[file]} bytes, not {size}"
+                raise UsageError(f"--data {storage.redact(data)}: shard file {file} is {what} "
+                                 "(a copy cut short?); prepare the shard set again",
+                                 everywhere=True)
+
+
+class Cache:
+    """A URL's shards on this machine's disk, at most `gb` GiB: the least recently used go."""
+
+    def __init__(self, root: storage.RemotePath, folder: str, gb: float,
+                 index: dict[str, Any]) -> None:
+        self.root, self.limit = root, int(gb * 2**30)
+        key = hashlib.sha256(root.url.encode()).hexdigest()[:12]
+        self.folder = Path(folder).expanduser() / key
+        self.sizes = {f"{s['name']}.{kind}": s[key] for s in index["shards"]
+                      for kind, key in (("bin", "bytes"), ("idx", "idx_bytes")) if key in s}
+        biggest = max(s["bytes"] + s.get("idx_bytes", 0) for s in index["shards"])
+        if biggest > self.limit:
+            raise UsageError(f"--shard-cache-gb {gb:g} is smaller than one shard of "
+                             f"{root.url} ({biggest / 2**30:.3g} GiB); raise it", everywhere=True)
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def get(self, file: str) -> Path:
+        """`file` in the cache, downloaded first if it is not there."""
+        path = self.folder / file
+        if path.exists():
+            os.utime(path)  # recently used
+            return path
+        self._make_room(self.sizes.get(file, 0))
+        tmp = path.with_name(f".{file}.{os.getpid()}.tmp")
+        for attempt in range(TRIES):
+            try:
+                self.root.fs.get_file(f"{self.root.key}/{file}", str(tmp))
+                break
+            except Exception as exc:  # the storage client's own retries are spent too
+                if attempt == TRIES - 1:
+                    raise RunFailure(f"--data {self.root.url}: cannot read shard file {file} "
+                                     f"after {TRIES} tries ({storage.reason(exc)}); run the same "
+                                     "command to resume from the newest checkpoint once the "
+                                     "storage works") from None
+                time.sleep(2**attempt)
+        os.replace(tmp, path)  # whole or absent, for the other ranks and workers here
+        return path
+
+    def _make_room(self, needed: int) -> None:
+        """Delete the least recently used files until `needed` more bytes fit."""
+        files = []
+        for path in self.folder.iterdir():
+            with suppress(OSError):  # another process of this machine may delete it first
+                files.append((path.stat().st_mtime, path.stat().st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total + needed <= self.limit:
+                break
+            path.unlink(missing_ok=True)  # a reader that has it open keeps reading it
+            total -= size

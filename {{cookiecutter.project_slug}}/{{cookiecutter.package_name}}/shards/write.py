@@ -1,0 +1,216 @@
+"""Writing a shard set: `python -m {{ cookiecutter.package_name }}.shards SRC DEST`.
+
+SRC is an image folder (one sub-folder per class) or text (a file, or a folder of .txt files).
+Images are stored as their files' bytes, decoded when trained on; their order is shuffled once
+here, so each shard holds every class. Text is tokenized by a byte-level BPE: `--tokenizer FILE`
+(a tokenizer.json of Hugging Face `tokenizers`), or one trained here on SRC, offline. Each shard
+is written locally, then moved or uploaded whole; `index.json` goes last."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import shutil
+import sys
+import tempfile
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from ..checkpoint import storage
+from ..failures import ProjectError, UsageError
+from . import INDEX, TOKENIZER
+
+EOT = "<|endoftext|>"  # between documents (files)
+
+
+class Writer:
+    """Shards of about `limit` bytes, each published to `dest` when full."""
+
+    def __init__(self, dest: storage.AnyPath, tmp: Path, limit: int) -> None:
+        self.dest, self.tmp, self.limit = dest, tmp, limit
+        self.shards: list[dict[str, Any]] = []
+        self.data, self.rows, self.count = bytearray(), [], 0  # rows: flat (offset, length, label)
+
+    def add(self, data: bytes, label: int) -> None:
+        """One image: its file's bytes and its row of the index."""
+        self.rows += (len(self.data), len(data), label)
+        self.data += data
+        self.count += 1
+        if len(self.data) >= self.limit:
+            self.close_shard()
+
+    def add_tokens(self, data: bytes) -> None:
+        """Token ids: the stream is cut into shards of exactly `limit` bytes."""
+        while data:
+            room = self.limit - len(self.data)
+            self.data += data[:room]
+            data = data[room:]
+            if len(self.data) >= self.limit:
+                self.close_shard()
+
+    def close_shard(self) -> None:
+        if not self.data:
+            return
+        name = f"{len(self.shards):05d}"
+        files = {f"{name}.bin": bytes(self.data)}
+        if self.rows:
+            files[f"{name}.idx"] = array("q", self.rows).tobytes()
+        for file, content in files.items():
+            publish(content, self.dest / file, self.tmp)
+        self.shards.append({"name": name, "bytes": len(self.data), "samples": self.count,
+                            **({"idx_bytes": 8 * len(self.rows)} if self.rows else {})})
+        self.data, self.rows, self.count = bytearray(), [], 0
+
+
+def publish(content: bytes, target: storage.AnyPath, tmp: Path) -> None:
+    """`content` at `target`, whole or not at all: a local rename, or one upload."""
+    local = tmp / target.name
+    local.write_bytes(content)
+    if isinstance(target, storage.RemotePath):
+        target.fs.put_file(str(local), target.key)
+        local.unlink()
+    else:
+        shutil.move(local, target)
+
+
+def write_images(source: Path, writer: Writer, progress: bool) -> dict[str, Any]:
+    from PIL import Image  # the image tasks' dependency
+    suffixes = Image.registered_extensions()
+    classes = sorted(p.name for p in source.iterdir() if p.is_dir())
+    files = [(path, label) for label, name in enumerate(classes)
+             for path in sorted((source / name).iterdir()) if path.suffix.lower() in suffixes]
+    if len(classes) < 2 or not files:
+        raise UsageError(f"{source}: expected one sub-folder of images per class (at least two)")
+    random.Random(0).shuffle(files)  # every shard holds every class
+    for path, label in tqdm(files, "images", disable=not progress, unit=" files"):
+        writer.add(path.read_bytes(), label)
+    writer.close_shard()
+    return {"kind": "images", "classes": classes}
+
+
+def text_files(source: Path) -> list[Path]:
+    files = sorted(source.rglob("*.txt")) if source.is_dir() else [source]
+    if not files:
+        raise UsageError(f"{source}: no .txt files in it; give a text file or a folder of them")
+    return files
+
+
+def tokenizer_for(files: list[Path], given: str | None, vocab_size: int) -> Any:
+    """The byte-level BPE tokenizer: from `given`, or trained on `files` (offline)."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise UsageError('text shards need Hugging Face tokenizers: pip install -e ".[shards]"'
+                         ) from None
+    if given:
+        try:
+            return Tokenizer.from_file(given)
+        except Exception as exc:
+            raise UsageError(f"--tokenizer {given}: cannot load it ({exc})") from None
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train([str(f) for f in files], trainer)
+    return tokenizer
+
+
+def chunks(path: Path, size: int = 1 << 22) -> Iterator[list[str]]:
+    """A text file as lists of lines of about `size` bytes: memory stays bounded."""
+    lines: list[str] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            lines.append(line)
+            if len(lines) * 80 >= size:
+                yield lines
+                lines = []
+    yield lines
+
+
+def write_tokens(files: list[Path], writer: Writer, tokenizer: Any, tmp: Path,
+                 progress: bool) -> dict[str, Any]:
+    vocab = tokenizer.get_vocab_size()
+    code = "H" if vocab <= 2**16 else "i"  # uint16 or int32 per token
+    eot = [i for i in [tokenizer.token_to_id(EOT)] if i is not None]
+    for path in tqdm(files, "text files", disable=not progress):
+        for lines in chunks(path):
+            writer.add_tokens(array(code, [i for e in tokenizer.encode_batch(lines)
+                                           for i in e.ids]).tobytes())
+        writer.add_tokens(array(code, eot).tobytes())
+    writer.close_shard()
+    tokenizer.save(str(tmp / TOKENIZER))
+    content = (tmp / TOKENIZER).read_bytes()
+    publish(content, writer.dest / TOKENIZER, tmp)
+    size = array(code).itemsize
+    for shard in writer.shards:  # a shard's count is its tokens
+        shard["samples"] = shard["bytes"] // size
+    return {"kind": "tokens", "dtype": "uint16" if code == "H" else "int32", "vocab_size": vocab,
+            "tokenizer": hashlib.sha256(content).hexdigest()[:16]}
+
+
+def prepare(source: str, dest: str, shard_mb: float, tokenizer: str | None = None,
+            vocab_size: int = 8192, progress: bool = True) -> dict[str, Any]:
+    """Write SRC as a shard set at DEST; a complete set there is left as it is."""
+    target = storage.given(dest)
+    try:
+        if (target / INDEX).exists():
+            index = json.loads((target / INDEX).read_text())
+            print(f"{storage.shown(dest)} is a complete shard set ({sum_samples(index)} samples "
+                  f"in {len(index['shards'])} shards): nothing to do")
+            return index
+    except OSError as exc:
+        raise UsageError(f"{storage.redact(dest)}: {storage.diagnosis(dest, exc)}") from None
+    src = Path(source)
+    if not src.exists():
+        raise UsageError(f"{source}: no such file or folder")
+    if not isinstance(target, storage.RemotePath):
+        target.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="shards-") as tmp:
+        writer = Writer(target, Path(tmp), max(4, int(shard_mb * 2**20) // 4 * 4))
+        if src.is_dir() and any(p.is_dir() and not list(p.glob("*.txt")) for p in src.iterdir()):
+            index = write_images(src, writer, progress)
+        else:
+            files = text_files(src)
+            index = write_tokens(files, writer, tokenizer_for(files, tokenizer, vocab_size),
+                                 Path(tmp), progress)
+        index = {"format": 1, **index, "shards": writer.shards}
+        publish(json.dumps(index, indent=1).encode(), target / INDEX, Path(tmp))
+    print(f"wrote {sum_samples(index)} {index['kind']} in {len(index['shards'])} shards to "
+          f"{storage.shown(dest)}")
+    return index
+
+
+def sum_samples(index: dict[str, Any]) -> int:
+    return sum(shard["samples"] for shard in index["shards"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}", allow_abbrev=False,
+                                     description="Write a shard set for --data (docs/data.md).")
+    parser.add_argument("source", help="an image folder (one sub-folder per class), a text "
+                                       "file or a folder of .txt files")
+    parser.add_argument("dest", help="a folder or a URL (s3://bucket/prefix)")
+    parser.add_argument("--shard-mb", type=float, default=64, help="about this much per shard")
+    parser.add_argument("--tokenizer", metavar="FILE", help="text: this tokenizer.json instead "
+                                                             "of one trained on SOURCE")
+    parser.add_argument("--vocab-size", type=int, default=8192,
+                        help="text: the vocabulary of the tokenizer trained on SOURCE")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if not args.shard_mb > 0 or args.vocab_size < 257:
+        parser.error("--shard-mb must be above 0 and --vocab-size at least 257")
+    try:
+        prepare(args.source, args.dest, args.shard_mb, args.tokenizer, args.vocab_size,
+                not args.no_progress)
+    except ProjectError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
