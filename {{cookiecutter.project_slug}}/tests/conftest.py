@@ -162,7 +162,7 @@ def final_model(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def kill_a_worker_once_saved(cmd: list[str], cwd: Path, checkpoint_dir: Path, step: int,
-                             worker: int = 1) -> None:
+                             worker: int = 1, **env: str) -> None:
     """Start `cmd` (torchrun), SIGKILL its `worker`-th training process once a checkpoint of
     `step` or later is in `checkpoint_dir`, and wait for the job to end."""
     from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta
@@ -173,7 +173,7 @@ def kill_a_worker_once_saved(cmd: list[str], cwd: Path, checkpoint_dir: Path, st
         except FileNotFoundError:  # pruned by --keep-last between the listing and the read
             return -1
 
-    job = subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE,
+    job = subprocess.Popen(cmd, cwd=cwd, env=child_env(**env), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     while not [p for p in list_checkpoints(checkpoint_dir) if saved_step(p) >= step]:
         assert job.poll() is None, job.communicate()[1]

@@ -38,15 +38,29 @@ def is_shard_set(data: str | None) -> bool:
     """Whether `--data` names a shard set (a folder or URL with index.json)."""
     if not data:
         return False
+    root = storage.location(data)
     try:
-        return (storage.location(data) / INDEX).exists()
+        found = (root / INDEX).exists()
+        if not found and storage.is_url(data):
+            root.fs.ls(root.key.split("/")[0])  # is the bucket there?
     except OSError as exc:  # object storage: credentials, endpoint, bucket
         raise UsageError(f"--data {storage.redact(data)}: {storage.diagnosis(data, exc)}",
                          everywhere=True) from None
+    if not found and storage.is_url(data):
+        raise UsageError(f"--data {storage.redact(data)}: no shard set there (no {INDEX}); write "
+                         f"one with python -m {__package__} SOURCE {storage.redact(data)}",
+                         everywhere=True)
+    return found
 
 
 def read_index(data: str) -> dict[str, Any]:
     return json.loads((storage.location(data) / INDEX).read_text())
+
+
+def load_tokenizer(data: str) -> Any:
+    """The shard set's tokenizer (Hugging Face `tokenizers`)."""
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(storage.local_copy(storage.location(data) / TOKENIZER)))
 
 
 class ShardSet(Dataset):
@@ -119,9 +133,6 @@ class ShardSet(Dataset):
                              for s in shards[w:w + self.window]])
             parts.append(ids[torch.randperm(len(ids), generator=g)])
         return torch.cat(parts)
-
-    def tokenizer_path(self) -> Path | storage.AnyPath:
-        return self.cache.get(TOKENIZER) if self.cache else self.root / TOKENIZER
 
 
 def check_files(root: storage.AnyPath, data: str, index: dict[str, Any]) -> None:

@@ -7,7 +7,9 @@ per byte value); its settings scale it up to GPT-2 small (docs/performance.md):
     --hidden-size 768 --num-layers 12 --num-heads 12 --seq-len 1024 --vocab-size 50304
     --tie-embeddings
 Synthetic text by default; `--data FILE` trains on a text file, read one window of seq_len + 1
-bytes at a time from disk (use `--num-workers N` to read in worker processes).
+bytes at a time from disk (use `--num-workers N` to read in worker processes). `--data` may also
+name a shard set of tokens (a byte-level BPE's), in a folder or a bucket (docs/data.md): the
+vocabulary is then the tokenizer's, padded to a multiple of 64.
 
 The rest of the project relies on:
     build_datasets(cfg) -> (train, val)    map-style Datasets, the same on every rank (val or None)
@@ -41,6 +43,7 @@ from torch.utils.data import Dataset
 from .data import InMemoryDataset, split_for_validation
 from .failures import UsageError
 from .settings import setting
+from .shards.read import ShardSet, is_shard_set, load_tokenizer, read_index
 
 if TYPE_CHECKING:  # for the type hints only
     from .config import Config
@@ -105,7 +108,12 @@ class TextWindows(Dataset):
 
 def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     """Training and validation windows, identical on every rank. Synthetic: --dataset-size windows
-    plus --val-fraction of that as validation. A file: --val-fraction of its windows held out."""
+    plus --val-fraction of that as validation. A file: --val-fraction of its windows held out.
+    A shard set: --val-fraction of each shard's windows held out."""
+    if is_shard_set(cfg.data):
+        train, val = (ShardSet(cfg.data, cfg, part, seq_len=cfg.task.seq_len)
+                      for part in ("train", "val"))
+        return train, val if len(val) else None
     if cfg.data:
         text = TextWindows(cfg.data, cfg.task.seq_len)
         train, val = split_for_validation(len(text), int(len(text) * cfg.val_fraction), cfg.seed)
@@ -170,8 +178,9 @@ def build_model(cfg: Config) -> nn.Module:
         raise UsageError("--tie-embeddings: model_parallel_2 puts the embedding and the output "
                          "layer on different devices, so they cannot share weights; drop "
                          "--tie-embeddings", everywhere=True)
-    return TinyGPT(t.hidden_size, t.num_layers, t.num_heads, t.seq_len, t.vocab_size,
-                   t.tie_embeddings)
+    vocab = (-(-read_index(cfg.data)["vocab_size"] // 64) * 64 if is_shard_set(cfg.data)
+             else t.vocab_size)  # a shard set's tokenizer's, padded: faster matrix products
+    return TinyGPT(t.hidden_size, t.num_layers, t.num_heads, t.seq_len, vocab, t.tie_embeddings)
 
 
 def blocks(model: TinyGPT) -> list[nn.Module]:
@@ -214,14 +223,17 @@ def finalize_metrics(averages: dict[str, float]) -> dict[str, float]:
     return {**averages, "perplexity": math.exp(min(averages["loss"], 50.0))}
 
 
-def predict(model: nn.Module, inputs: list[str], cfg: Config, new_bytes: int = 40) -> list[str]:
-    """Prompts -> each continued by `new_bytes` bytes, the most likely one at a time
-    (scripts/predict.py)."""
+def predict(model: nn.Module, inputs: list[str], cfg: Config, new_tokens: int = 40) -> list[str]:
+    """Prompts -> each continued by `new_tokens` tokens (bytes, or the shard set's tokenizer's),
+    the most likely one at a time (scripts/predict.py)."""
+    tokenizer = load_tokenizer(cfg.data) if is_shard_set(cfg.data) else None
     lines = []
     for prompt in inputs:
-        tokens = torch.tensor([list(prompt.encode()) or [10]], dtype=torch.long)  # '' -> '\n'
-        for _ in range(new_bytes):
+        ids = tokenizer.encode(prompt).ids if tokenizer else list(prompt.encode())
+        tokens = torch.tensor([ids or [10]], dtype=torch.long)  # '' -> '\n'
+        for _ in range(new_tokens):
             logits = model(tokens[:, -cfg.task.seq_len:])[:, -1]
             tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
-        lines.append(bytes(tokens[0].tolist()).decode(errors="replace"))
+        ids = tokens[0].tolist()
+        lines.append(tokenizer.decode(ids) if tokenizer else bytes(ids).decode(errors="replace"))
     return lines

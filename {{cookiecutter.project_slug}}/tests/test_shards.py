@@ -1,0 +1,221 @@
+"""Shard sets (docs/data.md): `python -m {{ cookiecutter.package_name }}.shards` writes one from an
+image folder, to a folder or a bucket (moto's S3 server on loopback), and `--data` trains on it:
+every image read back as written, the order a function of the seed and the epoch alone, a SIGKILLed
+run resumed bit for bit from a bucket with data workers, a run saved at 2 processes and resumed at 4
+training each image of the epoch once, and each careless input one line."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    TRAIN,
+    assert_same_model,
+    final_model,
+    kill_a_worker_once_saved,
+    needs_numpy,
+    ok,
+    one_error,
+    run_cmd,
+    skip_unless_example_task,
+    summary,
+    torchrun_cmd,
+)
+
+from {{ cookiecutter.package_name }}.config import parse_args
+from {{ cookiecutter.package_name }}.data import ShardedBatchSampler
+from {{ cookiecutter.package_name }}.failures import RunFailure, UsageError
+from {{ cookiecutter.package_name }}.shards import read
+from {{ cookiecutter.package_name }}.shards.read import ShardSet
+from {{ cookiecutter.package_name }}.shards.write import prepare
+
+PACKAGE = "{{ cookiecutter.package_name }}"
+needs_s3 = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("s3fs", "moto")),
+                              reason="needs s3fs and moto's server: pip install -e '.[dev]'")
+
+
+@pytest.fixture(autouse=True)
+def images_task() -> None:
+    skip_unless_example_task()
+    from {{ cookiecutter.package_name }} import task
+    if not hasattr(task, "image_sample"):
+        pytest.skip("the image shard sets are the classification task's")
+
+
+def image_folder(root: Path, per_class: int = 32) -> Path:
+    """Three classes of small PNGs, each image its own colour."""
+    from PIL import Image
+    g = torch.Generator().manual_seed(0)
+    for name in ("cat", "dog", "emu"):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            colour = tuple(torch.randint(256, (3,), generator=g).tolist())
+            Image.new("RGB", (12, 12), colour).save(root / name / f"{i:03d}.png")
+    return root
+
+
+def config(data: str, *flags: str):
+    from {{ cookiecutter.package_name }} import task
+    return parse_args(["--data", data, *flags], task.Settings)
+
+
+def as_stored(data: bytes, label: int) -> tuple[bytes, int]:
+    return data, label
+
+
+def test_a_shard_set_holds_every_image_once_and_a_rerun_does_nothing(tmp_path, capsys):
+    source = image_folder(tmp_path / "images")
+    index = prepare(str(source), str(tmp_path / "set"), shard_mb=0.002, progress=False)
+    assert index["kind"] == "images" and index["classes"] == ["cat", "dog", "emu"]
+    assert len(index["shards"]) > 2 and sum(s["samples"] for s in index["shards"]) == 96
+    written = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "set").iterdir()}
+    again = prepare(str(source), str(tmp_path / "set"), shard_mb=0.002, progress=False)
+    assert again == index and "is a complete shard set (96 samples" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "set").iterdir()} == written
+
+    cfg = config(str(tmp_path / "set"), "--val-fraction", "0.25")
+    train, val = (ShardSet(cfg.data, cfg, part, as_stored) for part in ("train", "val"))
+    stored = sorted(train[i] for i in range(len(train))) + sorted(val[i] for i in range(len(val)))
+    files = {(p.read_bytes(), ["cat", "dog", "emu"].index(p.parent.name))
+             for p in source.rglob("*.png")}
+    assert len(stored) == 96 and set(stored) == files, "each image once, with its label"
+    assert len(val) == sum(int(s["samples"] * 0.25) for s in index["shards"])
+
+
+def test_the_order_depends_on_seed_and_epoch_alone_and_batches_on_the_global_batch(tmp_path):
+    prepare(str(image_folder(tmp_path / "images")), str(tmp_path / "set"), 0.002,
+            progress=False)
+    cfg = config(str(tmp_path / "set"), "--val-fraction", "0", "--shuffle-window", "2")
+    data = ShardSet(cfg.data, cfg, "train", as_stored)
+    first = data.epoch_order(0, 1)
+    assert torch.equal(first, ShardSet(cfg.data, cfg, "train").epoch_order(0, 1))
+    assert sorted(first.tolist()) == list(range(96))
+    assert not torch.equal(first, data.epoch_order(0, 2))
+    # Global batch k (16 samples) is the same samples at 2 x 8 and at 4 x 4.
+
+    def global_batches(world: int) -> list[set[int]]:
+        ranks = [[set(b.tolist()) for _, b in ShardedBatchSampler(
+            96, r, world, 16 // world, 0, order=data.epoch_order)] for r in range(world)]
+        return [set().union(*(batches[k] for batches in ranks)) for k in range(6)]
+
+    assert global_batches(2) == global_batches(4)
+
+
+def test_careless_inputs_are_one_line(tmp_path, monkeypatch):
+    prepare(str(image_folder(tmp_path / "images", 8)), str(tmp_path / "set"), 0.001,
+            progress=False)
+    index = json.loads((tmp_path / "set" / "index.json").read_text())
+    cfg = config(str(tmp_path / "set"))
+    with pytest.raises(UsageError, match="is smaller than one shard of s3://b/set"):
+        read.Cache(read.storage.RemotePath("s3://b/set", fs=object()), str(tmp_path / "c"),
+                   1e-9, index)
+    (tmp_path / "set" / "00001.idx").unlink()
+    with pytest.raises(UsageError, match="shard file 00001.idx is missing .* prepare the shard "):
+        ShardSet(cfg.data, cfg, "train", as_stored)
+    shard = tmp_path / "set" / "00000.bin"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(UsageError, match=r"shard file 00000.bin is \d+ bytes, not \d+"):
+        ShardSet(cfg.data, cfg, "train", as_stored)
+    with pytest.raises(UsageError, match="no such file or folder"):
+        prepare(str(tmp_path / "none"), str(tmp_path / "out"), 1, progress=False)
+
+    class Gone:  # storage that stopped answering mid-epoch
+        def get_file(self, *args):
+            raise ConnectionError("endpoint went away")
+
+    monkeypatch.setattr(read.time, "sleep", lambda s: None)
+    cache = read.Cache(read.storage.RemotePath("s3://b/set", fs=Gone()), str(tmp_path / "c"),
+                       1, index)
+    with pytest.raises(RunFailure, match="cannot read shard file 00000.bin after 4 tries "
+                                         r"\(ConnectionError: endpoint went away\); run the same"):
+        cache.get("00000.bin")
+
+
+@pytest.mark.full
+@needs_s3
+def test_bucket_mistakes_are_one_line(tmp_path, s3):
+    for url, says in (("s3://bkt/nothing", "no shard set there (no index.json); write one with"),
+                      ("s3://nobucket/set", "no such bucket 'nobucket'")):
+        result = run_cmd([sys.executable, TRAIN, "--data", url], tmp_path, **s3.env())
+        assert says in one_error(result)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    from s3server import S3Server
+    server = S3Server()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def bucket_set(s3, tmp_path_factory) -> str:
+    """The image folder as a shard set in the bucket, written once for this module."""
+    folder = tmp_path_factory.mktemp("shards")
+    ok(run_cmd([sys.executable, "-m", f"{PACKAGE}.shards", str(image_folder(folder / "images")),
+                "s3://bkt/images", "--shard-mb", "0.002", "--no-progress"], folder, **s3.env()))
+    return "s3://bkt/images"
+
+
+@pytest.mark.full
+@needs_s3
+@pytest.mark.parametrize("layout", ["data_parallel", pytest.param("fsdp", marks=needs_numpy)])
+def test_a_killed_run_on_a_bucket_resumes_bit_for_bit(tmp_path, s3, bucket_set, layout):
+    """2 processes, 2 data workers each, shards from the bucket through the cache; SIGKILL after
+    the step-4 checkpoint, the same command again: the uninterrupted run's weights."""
+    def command(name: str) -> list[str]:
+        return [*torchrun_cmd(2), TRAIN, "--data", bucket_set, "--num-workers", "2",
+                "--batch-size", "8", "--epochs", "2", "--save-every-steps", "2",
+                "--model-layout", layout, "--hidden-size", "16", "--no-progress",
+                "--shard-cache", str(tmp_path / "cache"), "--shuffle-window", "3",
+                "--checkpoint-dir", str(tmp_path / name),
+                "--output-dir", str(tmp_path / f"r{name}")]
+
+    ok(run_cmd(command("a"), tmp_path, **s3.env()))
+    kill_a_worker_once_saved(command("b"), tmp_path, tmp_path / "b", step=4, **s3.env())
+    ok(run_cmd(command("b"), tmp_path, **s3.env()))
+    assert summary(tmp_path / "rb")["resumed_from"]
+    assert_same_model(final_model(tmp_path / "a"), final_model(tmp_path / "b"))
+    assert list((tmp_path / "cache").iterdir()), "read through the cache"
+
+
+SEEN = """
+import os, sys
+import {{ cookiecutter.package_name }}.main as entry
+from {{ cookiecutter.package_name }}.shards.read import ShardSet
+
+original = ShardSet.__getitem__
+
+def seen(self, i):  # every training sample read, one line each
+    with open(os.path.join(os.environ["SEEN"], str(os.getpid())), "a") as f:
+        f.write(f"{i}\\n")
+    return original(self, i)
+
+ShardSet.__getitem__ = seen
+sys.exit(entry.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.full
+def test_a_run_saved_at_2_processes_and_resumed_at_4_trains_each_image_once(tmp_path):
+    """The same global batch (2 x 8, then 4 x 4): the resumed run goes on with the next global
+    batch, and the epoch ends with each of the 96 images trained exactly once."""
+    prepare(str(image_folder(tmp_path / "images")), str(tmp_path / "set"), 0.002,
+            progress=False)
+    (tmp_path / "seen.py").write_text(SEEN)
+    (tmp_path / "seen").mkdir()
+    flags = ["--data", str(tmp_path / "set"), "--val-fraction", "0", "--epochs", "1",
+             "--hidden-size", "8", "--no-progress", "--shuffle-window", "2"]
+    env = {"SEEN": str(tmp_path / "seen")}
+    ok(run_cmd([*torchrun_cmd(2), "seen.py", *flags, "--batch-size", "8", "--max-steps", "3"],
+               tmp_path, **env))
+    resumed = ok(run_cmd([*torchrun_cmd(4), "seen.py", *flags, "--batch-size", "4"], tmp_path,
+                         **env))
+    assert "continuing epoch 0 after 48 of the 48 samples already seen" in resumed.stderr
+    seen = [int(i) for f in (tmp_path / "seen").iterdir() for i in f.read_text().split()]
+    assert sorted(seen) == list(range(96))
