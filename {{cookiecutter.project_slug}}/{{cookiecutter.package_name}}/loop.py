@@ -22,6 +22,7 @@ from .checkpoint.checkpointer import Checkpointer
 from .config import Config
 from .data import ShardedBatchSampler, move_to
 from .evaluation import Evaluation, Evaluator
+from .failures import UsageError
 from .meters import Throughput
 from .metrics import Metrics
 from .optim import Optimization
@@ -95,6 +96,11 @@ class Trainer:
             self.metrics.tracker_run_id = meta.get("tracker_run_id")
             self.evaluation.restart_selection(meta.get("selection"))
             self.resumed_layout = meta.get("config", {}).get("model_layout")
+            if (saved := meta.get("data", {}).get("tokenizer")) != self.data_notes.get(
+                    "tokenizer") and saved:  # the same ids would mean other text
+                raise UsageError(f"{self.checkpointer.resumed_from} was trained on tokens of "
+                                 "another tokenizer than --data's; use --data with its shard set, "
+                                 "or --resume never", everywhere=True)
 
     def loop_state(self) -> dict[str, Any]:
         """The loop's part of a checkpoint: position, last loss, tracker run, model selection.
@@ -107,7 +113,7 @@ class Trainer:
                 "samples_in_epoch": samples, "step": self.step,
                 "last_loss": self.metrics.last_loss,
                 "tracker_run_id": self.metrics.tracker_run_id,
-                "selection": self.evaluation.selection.state_dict()}
+                "selection": self.evaluation.selection.state_dict(), "data": self.data_notes}
 
     # ---------------------------------------------------------------- training
     def train(self) -> dict[str, Any]:

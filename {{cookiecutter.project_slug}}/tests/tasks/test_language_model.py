@@ -6,14 +6,27 @@ your own task, replace these with tests of yours; every other test keeps working
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROJECT_ROOT, ok, python_train, read_metrics, run_cmd, summary, torchrun
+from conftest import (
+    PROJECT_ROOT,
+    load_state,
+    ok,
+    one_error,
+    python_train,
+    read_metrics,
+    run_cmd,
+    summary,
+    torchrun,
+)
 
 from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints
 from {{ cookiecutter.package_name }}.config import parse_args
 
 GPT2_SMALL = ["--hidden-size", "768", "--num-layers", "12", "--num-heads", "12", "--seq-len",
@@ -84,3 +97,40 @@ def test_tokens_per_second_and_mfu_are_reported(workdir):
         assert record["tokens_per_s"] == pytest.approx(32 * record["samples_per_s"], abs=2)
     # MFU needs the device's peak: known for some GPUs, never for a CPU.
     assert done["mfu"] is None and all(r["mfu"] is None for r in logs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
+                    reason='needs Hugging Face tokenizers: pip install -e ".[shards]"')
+def test_text_prepared_as_token_shards_trains_and_another_tokenizer_is_refused(workdir):
+    """docs/data.md: a byte-level BPE trained offline on the text, its shards in a folder; the
+    model's vocabulary follows the tokenizer (padded to 64), predict decodes with it, and a
+    checkpoint resumed on a set of another tokenizer is one line."""
+    words = "the cat sat on a mat while dogs ran over hills and birds sang in trees".split()
+    g = torch.Generator().manual_seed(0)
+    lines = (" ".join(words[i] for i in torch.randint(len(words), (12,), generator=g).tolist())
+             for _ in range(1500))
+    (workdir / "corpus.txt").write_text("\n".join(lines))
+
+    def shards(dest: str, vocab: int) -> dict:
+        ok(run_cmd([sys.executable, "-m", "{{ cookiecutter.package_name }}.shards", "corpus.txt",
+                    dest, "--vocab-size", str(vocab), "--shard-mb", "0.02", "--no-progress"],
+                   workdir))
+        return json.loads((workdir / dest / "index.json").read_text())
+
+    index = shards("tokens", 300)
+    assert index["kind"] == "tokens" and len(index["shards"]) > 1
+    assert (workdir / "tokens" / "tokenizer.json").is_file()
+    flags = ["--data", "tokens", "--seq-len", "32", "--hidden-size", "32", "--batch-size", "8",
+             "--max-steps", "20", "--log-every", "5", "--lr", "0.01"]
+    ok(python_train(flags, workdir))
+    newest = list_checkpoints(workdir / "checkpoints")[0]
+    assert load_state(newest)["model"]["embed.weight"].shape[0] == 320  # 300 tokens, padded
+    losses = [m["loss"] for m in read_metrics(workdir / "runs/latest")]
+    assert losses[-1] < 0.8 * losses[0]
+    said = ok(run_cmd([sys.executable, str(PROJECT_ROOT / "scripts/predict.py"), str(newest),
+                       "the cat"], workdir))
+    assert said.stdout.startswith("the cat")
+
+    assert shards("other", 290)["tokenizer"] != index["tokenizer"]  # also padded to 320
+    flags[1] = "other"
+    assert "another tokenizer" in one_error(python_train([*flags, "--max-steps", "30"], workdir))
