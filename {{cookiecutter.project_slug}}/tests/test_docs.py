@@ -47,6 +47,7 @@ NAMED = {
     "launch": r"torch\.distributed\.launch|legacy launcher",
     "doctor": r"\bdoctor\b",
     "export": r"\bexport\b",
+    "shards": r"\bshards\b|shard set",
     "predict.py": r"predict\.py",
     "plot_metrics.py": r"plot_metrics\.py",
     "bench_ft.py": r"bench_ft\.py",
@@ -62,7 +63,8 @@ NAMED = {
     "lighthouse": r"\blighthouse",
 }
 # A module's own comments speak of its own command line.
-OWN_COMMAND = {"doctor.py": "doctor", "export.py": "export", "workarounds.py": "torchrun"}
+OWN_COMMAND = {"doctor.py": "doctor", "export.py": "export", "workarounds.py": "torchrun",
+               "write.py": "shards"}
 # Files a project holds (what a path must start with, or end with, to count as a pointer).
 TOP_DIRS = {"docs", "scripts", "tests", "k8s", "configs", ".github", PACKAGE.name}
 EXTENSIONS = (".py", ".md", ".sh", ".sbatch", ".ps1", ".yaml", ".yml", ".toml", ".txt")
@@ -195,6 +197,7 @@ def flags(pytestconfig) -> dict[str, Callable[[str], bool]]:
         "train.py": train,
         "doctor": options(doctor_parser),
         "export": help_flags(export.main, "export"),
+        "shards": help_flags(importlib.import_module(f"{PACKAGE.name}.shards.write").main),
         "torchrun": options(torch.distributed.run.get_args_parser()),
         "launch": help_flags(torch.distributed.launch.parse_args),  # adds --use-env
         **EXTERNAL_FLAGS,

@@ -34,7 +34,10 @@ GPT2_SMALL = ["--hidden-size", "768", "--num-layers", "12", "--num-heads", "12",
 
 
 def doc_inputs(root: Path) -> list[str]:
-    """What scripts/predict.py's INPUT is in the docs (tests/test_doc_commands.py): prompts."""
+    """What the docs' commands read (tests/test_doc_commands.py): docs/data.md's text, and
+    prompts for scripts/predict.py's INPUT."""
+    (root / "data").mkdir(exist_ok=True)
+    (root / "data/corpus.txt").write_text("the quick brown fox jumps over the lazy dog.\n" * 400)
     return ["To be", "The "]
 
 

@@ -1,6 +1,6 @@
 """Writing a shard set: `python -m {{ cookiecutter.package_name }}.shards SRC DEST`.
 
-SRC is an image folder (one sub-folder per class) or text (a file, or a folder of .txt files).
+SRC is an image folder (one sub-folder per class) or text (a file, or a folder of text files).
 Images are stored as their files' bytes, decoded when trained on; their order is shuffled once
 here, so each shard holds every class. Text is tokenized by a byte-level BPE: `--tokenizer FILE`
 (a tokenizer.json of Hugging Face `tokenizers`), or one trained here on SRC, offline. Each shard
@@ -196,10 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {__package__}", allow_abbrev=False,
                                      description="Write a shard set for --data (docs/data.md).")
     parser.add_argument("source", help="an image folder (one sub-folder per class), a text "
-                                       "file or a folder of .txt files")
+                                       "file or a folder of text files (*.txt)")
     parser.add_argument("dest", help="a folder or a URL (s3://bucket/prefix)")
     parser.add_argument("--shard-mb", type=float, default=64, help="about this much per shard")
-    parser.add_argument("--tokenizer", metavar="FILE", help="text: this tokenizer.json instead "
+    parser.add_argument("--tokenizer", metavar="FILE", help="text: this tokenizer file instead "
                                                              "of one trained on SOURCE")
     parser.add_argument("--vocab-size", type=int, default=8192,
                         help="text: the vocabulary of the tokenizer trained on SOURCE")
