@@ -56,6 +56,7 @@ def image_folder(root: Path, per_class: int = 32) -> Path:
         for i in range(per_class):
             colour = tuple(torch.randint(256, (3,), generator=g).tolist())
             Image.new("RGB", (12, 12), colour).save(root / name / f"{i:03d}.png")
+        (root / name / "notes.txt").write_text("not an image: left out")
     return root
 
 

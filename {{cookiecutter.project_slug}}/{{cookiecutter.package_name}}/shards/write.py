@@ -27,6 +27,7 @@ from ..failures import ProjectError, UsageError
 from . import INDEX, TOKENIZER
 
 EOT = "<|endoftext|>"  # between documents (files)
+IMAGES = {".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".gif", ".webp", ".tif", ".tiff"}  # SRC is
 
 
 class Writer:
@@ -175,7 +176,8 @@ def prepare(source: str, dest: str, shard_mb: float, tokenizer: str | None = Non
         target.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="shards-") as tmp:
         writer = Writer(target, Path(tmp), max(4, int(shard_mb * 2**20) // 4 * 4))
-        if src.is_dir() and any(p.is_dir() and not list(p.glob("*.txt")) for p in src.iterdir()):
+        if src.is_dir() and any(f.suffix.lower() in IMAGES for d in src.iterdir() if d.is_dir()
+                                for f in d.iterdir()):
             index = write_images(src, writer, progress)
         else:
             files = text_files(src)
