@@ -88,18 +88,20 @@ def expected_files(package: str, answers: dict) -> set[str]:
         "configs/example.toml", "scripts/train_local.sh", "scripts/train_multinode.sh",
         "scripts/plot_metrics.py", "scripts/predict.py", "docs/worked-example.md", "docs/launching.md",
         "docs/recovery.md", "docs/performance.md", "docs/configuration.md", "docs/custom-step.md",
+        "docs/data.md",
     }
     files |= {f"tests/{name}.py" for name in (
         "conftest", "hosts", "test_backstop", "test_checkpoint", "test_config", "test_custom_step", "test_custom_task",
         "test_data", "test_doc_commands",
         "test_distributed", "test_docs", "test_ema", "test_features", "test_hangs", "test_hsdp", "test_launchers",
         "test_layouts", "test_mistakes", "test_nccl", "test_network", "test_object_storage", "test_plan",
-        "test_recovery", "test_task", "test_tracker", "test_train", "s3server")}
+        "test_recovery", "test_shards", "test_task", "test_tracker", "test_train", "s3server")}
     files |= {f"{package}/{name}.py" for name in (
         "__init__", "config", "data", "doctor", "ema", "evaluation", "failures", "loop", "main", "meters", "metrics",
         "optim", "parallel", "plan", "settings", "step", "task")}
     files |= {f"{package}/checkpoint/{name}.py" for name in (
         "__init__", "__main__", "checkpointer", "export", "files", "folder", "resume", "sharded", "storage")}
+    files |= {f"{package}/shards/{name}.py" for name in ("__init__", "__main__", "read", "write")}
     files |= {f"{package}/runtime/{name}.py" for name in (
         "__init__", "backstop", "comm_hooks", "environments", "launch", "lifeline", "nccl", "network", "prefetch",
         "rendezvous", "trackers", "workarounds", "workers")}

@@ -164,7 +164,8 @@ def _intra_package_imports(module: str, tree: ast.AST, modules: set[str]) -> set
 
 def test_default_package_stays_within_its_budgets(bake):
     """Issue 39's budgets: no module over 300 lines, no function over 60, no import circle; the
-    package under 7,100 lines, and the modules a user reads under 2,100."""
+    package under 7,700 lines (7,100 before shard sets), and the modules a user reads under
+    2,200."""
     package = bake() / "ddp_project"
     trees, sizes = {}, {}
     for path in sorted(package.rglob("*.py")):
@@ -172,9 +173,9 @@ def test_default_package_stays_within_its_budgets(bake):
         text = path.read_text()
         sizes[name], trees[name] = len(text.splitlines()), ast.parse(text)
     assert {n: s for n, s in sizes.items() if s > 300} == {}
-    assert sum(sizes.values()) < 7100
-    read = ("task", "loop", "main", "optim", "evaluation", "config", "settings", "data")
-    assert sum(sizes[f"ddp_project.{name}"] for name in read) < 2100
+    assert sum(sizes.values()) < 7700
+    read = ("task", "loop", "main", "optim", "evaluation", "config", "settings", "data", "step")
+    assert sum(sizes[f"ddp_project.{name}"] for name in read) < 2200
     long_functions = [f"{name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
                       for name, tree in trees.items() for node in ast.walk(tree)
                       if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)

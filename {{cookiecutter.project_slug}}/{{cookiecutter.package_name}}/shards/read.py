@@ -63,6 +63,15 @@ def load_tokenizer(data: str) -> Any:
     return Tokenizer.from_file(str(storage.local_copy(storage.location(data) / TOKENIZER)))
 
 
+def shard_parts(cfg: Any, train: Callable | None = None, val: Callable | None = None,
+                seq_len: int = 0) -> tuple[ShardSet, ShardSet | None]:
+    """--data's training and validation parts (None without validation samples), with the
+    transforms of each (images) or the window length (tokens)."""
+    parts = [ShardSet(cfg.data, cfg, part, f, seq_len) for part, f in (("train", train),
+                                                                        ("val", val))]
+    return parts[0], parts[1] if len(parts[1]) else None
+
+
 class ShardSet(Dataset):
     """The samples of `part` ("train" or "val") of the shard set at `data`. Images come as
     `transform(file_bytes, label)`; tokens as windows of `seq_len` + 1 ids."""

@@ -42,11 +42,10 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-from .checkpoint import storage
 from .data import InMemoryDataset, split_for_validation
 from .failures import UsageError, local_rank_from_env
 from .settings import setting
-from .shards.read import ShardSet, is_shard_set, read_index
+from .shards.read import is_shard_set, read_index, shard_parts
 
 if TYPE_CHECKING:  # for the type hints only
     from .config import Config
@@ -203,8 +202,10 @@ def decodes(path: Path) -> bool:
 
 
 def class_names(root: str | Path) -> list[str]:
-    """The class folders of `root`, sorted. An entry that is a broken link is an error: leaving it
-    out would train a model with one class too few."""
+    """The class folders of `root`, sorted (or a shard set's classes). An entry that is a broken
+    link is an error: leaving it out would train a model with one class too few."""
+    if is_shard_set(root):
+        return read_index(root)["classes"]
     names = []
     for path in entries(Path(root), root) if Path(root).is_dir() else []:
         if path.is_dir():
@@ -222,9 +223,7 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     plus --val-fraction of that as validation. A folder: --val-fraction of its images held out.
     A shard set: --val-fraction of each shard's images held out."""
     if is_shard_set(cfg.data):
-        train, val = (ShardSet(cfg.data, cfg, part, partial(image_sample, augment=part == "train"))
-                      for part in ("train", "val"))
-        return train, val if len(val) else None
+        return shard_parts(cfg, *(partial(image_sample, augment=a) for a in (True, False)))
     if cfg.data:
         train_files = ImageFolder(cfg.data, augment=True, skip_bad=cfg.task.skip_bad_images)
         val_files = copy.copy(train_files)  # the same files, listed and checked once
@@ -269,14 +268,8 @@ class SmallCNN(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
-def classes(data: str | None) -> list[str] | None:
-    """The class names of --data (None: the synthetic data's)."""
-    return (read_index(data)["classes"] if is_shard_set(data) else class_names(data) if data
-            else None)
-
-
 def build_model(cfg: Config) -> nn.Module:
-    num_classes = len(classes(cfg.data) or range(SYNTHETIC_CLASSES))
+    num_classes = len(class_names(cfg.data)) if cfg.data else SYNTHETIC_CLASSES
     return SmallCNN(num_classes, cfg.task.hidden_size, cfg.task.num_layers, cfg.task.batch_norm)
 
 
@@ -300,7 +293,8 @@ def eval_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> 
 
 def predict(model: nn.Module, inputs: list[str], cfg: Config) -> list[str]:
     """Image files -> the most likely class of each (scripts/predict.py)."""
-    names = classes(cfg.data) if cfg.data and storage.location(cfg.data).is_dir() else None
+    names = (class_names(cfg.data) if cfg.data and (is_shard_set(cfg.data) or
+                                                     Path(cfg.data).is_dir()) else None)
     images = torch.stack([model_input(read_image(Path(path))) for path in inputs])
     probabilities = model(images).float().softmax(-1)
     best, labels = probabilities.max(-1)

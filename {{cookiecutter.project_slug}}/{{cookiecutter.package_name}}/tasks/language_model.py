@@ -43,7 +43,7 @@ from torch.utils.data import Dataset
 from .data import InMemoryDataset, split_for_validation
 from .failures import UsageError
 from .settings import setting
-from .shards.read import ShardSet, is_shard_set, load_tokenizer, read_index
+from .shards.read import is_shard_set, load_tokenizer, read_index, shard_parts
 
 if TYPE_CHECKING:  # for the type hints only
     from .config import Config
@@ -111,9 +111,7 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     plus --val-fraction of that as validation. A file: --val-fraction of its windows held out.
     A shard set: --val-fraction of each shard's windows held out."""
     if is_shard_set(cfg.data):
-        train, val = (ShardSet(cfg.data, cfg, part, seq_len=cfg.task.seq_len)
-                      for part in ("train", "val"))
-        return train, val if len(val) else None
+        return shard_parts(cfg, seq_len=cfg.task.seq_len)
     if cfg.data:
         text = TextWindows(cfg.data, cfg.task.seq_len)
         train, val = split_for_validation(len(text), int(len(text) * cfg.val_fraction), cfg.seed)
