@@ -26,6 +26,7 @@ import venv
 from pathlib import Path
 
 from extra import measure_recovery, measure_saves
+from shards import measure_shards, shards_table
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -204,6 +205,9 @@ def main() -> int:
     parser.add_argument("--variants", default=None, help="comma-separated subset of the variants to run")
     parser.add_argument("--images", type=int, default=4096,
                         help="images in the folder of the images workload (10 classes, 24 x 20 pixels, PPM)")
+    parser.add_argument("--shards", action="store_true",
+                        help="CPU: samples/s of the data reader on the images: image folder vs a shard set in a "
+                             "folder and in a bucket on loopback (bench/shards.py)")
     parser.add_argument("--kills", type=int, default=0,
                         help="CPU: SIGKILL a worker this many times and time the recovery under torchrun")
     args = parser.parse_args()
@@ -222,8 +226,10 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     projects = {task: bake(args.out / f"baked-{task}", task)
                 for task in sorted({WORKLOADS[w]["task"] for w in workloads} | {"regression"})}
-    if "images" in workloads:
+    if "images" in workloads or args.shards:
         WORKLOADS["images"]["data"] = write_images(args.out / "images", args.images)
+    if args.shards and "classification" not in projects:
+        projects["classification"] = bake(args.out / "baked-classification", "classification")
     python_for_lightning = None
     raw: dict = {}
     for workload in workloads:
@@ -253,12 +259,15 @@ def main() -> int:
         else None
     recovery = measure_recovery(regression, args.out / "work" / "recovery", variant_env(regression), args.kills) \
         if args.kills and cpu else None
+    shards = measure_shards(projects["classification"], WORKLOADS["images"]["data"], args.out / "work" / "shards",
+                            variant_env(projects["classification"]), args.reps) if args.shards and cpu else None
     machine = describe_machine(args.gpu)
     name = "results-gpu" if args.gpu else "results"
     (args.out / f"{name}.json").write_text(json.dumps(
         {"machine": machine, "mode": "gpu" if args.gpu else "cpu", "reps": args.reps,
          "workloads": {w: {k: str(v) for k, v in WORKLOADS[w].items()} for w in workloads}, "summary": summary,
-         "overhead": overhead, "saves": saves, "recovery": recovery, "runs": raw}, indent=1))
+         "overhead": overhead, "saves": saves, "recovery": recovery, "shards": shards, "runs": raw},
+        indent=1))
     print(table(summary, machine, args.reps, args.gpu))
     if tokens := tokens_table(summary):
         print("\n" + tokens)
@@ -269,6 +278,8 @@ def main() -> int:
               f"step {overhead['overhead_us_p10']:+.0f} us (ratio {overhead['ratio_p10']:.3f})")
     if saves:
         print("\n" + saves_table(saves))
+    if shards:
+        print("\n" + shards_table(shards))
     if recovery:
         print(f"\ntime to recover (SIGKILL of rank 1 -> first step after torchrun's restart and resume), "
               f"{recovery['kills']} kills: median {recovery['median_s']:.2f} s, min {recovery['min_s']:.2f} s, "

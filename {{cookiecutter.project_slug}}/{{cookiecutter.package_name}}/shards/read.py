@@ -93,8 +93,8 @@ class ShardSet(Dataset):
         for first, end in self.ranges:
             self.starts.append(self.starts[-1] + end - first)
         check_files(self.root, data, self.index)
-        self._files: dict[str, Any] = {}
-        self._rows: dict[str, torch.Tensor] = {}
+        self._files: dict[str, Any] = {}  # open shard files
+        self._rows: dict[str, list[int]] = {}
         self.summary = ({"tokenizer": self.index["tokenizer"]} if not self.images else {})
 
     def __len__(self) -> int:
@@ -112,24 +112,26 @@ class ShardSet(Dataset):
             ids = self._read(f"{name}.bin", j * self.seq_len * size, (self.seq_len + 1) * size)
             kind = torch.uint16 if size == 2 else torch.int32
             return torch.frombuffer(bytearray(ids), dtype=kind).long()
-        if name not in self._rows:
-            rows = self._read(f"{name}.idx", 0, None)
-            self._rows[name] = torch.frombuffer(bytearray(rows), dtype=torch.int64).view(-1, 3)
-        offset, length, label = self._rows[name][j].tolist()
+        if name not in self._rows:  # offsets, lengths and labels: plain ints, read once
+            rows = self._read(f"{name}.idx", 0, self.index["shards"][shard]["idx_bytes"])
+            self._rows[name] = memoryview(rows).cast("q").tolist()
+        offset, length, label = self._rows[name][3 * j:3 * j + 3]
         try:
             return self.transform(self._read(f"{name}.bin", offset, length), label)
         except UsageError as exc:
             raise UsageError(f"--data {self.data}: sample {j} of shard {name}: {exc}") from None
 
-    def _read(self, file: str, offset: int, length: int | None) -> bytes:
+    def _read(self, file: str, offset: int, length: int) -> bytes:
+        """`length` bytes at `offset` of a shard file, kept open (unbuffered: no read-ahead of
+        what the next, random sample does not need; at most 64 files at once)."""
         handle = self._files.get(file)
         if handle is None:
             path = self.cache.get(file) if self.cache else self.root / file
-            handle = self._files[file] = open(path, "rb")  # noqa: SIM115 (kept open)
-            if len(self._files) > 64:  # at most this many open at once
+            handle = self._files[file] = open(path, "rb", buffering=0)  # noqa: SIM115 (kept)
+            if len(self._files) > 64:
                 self._files.pop(next(iter(self._files))).close()
         handle.seek(offset)
-        return handle.read() if length is None else handle.read(length)
+        return handle.read(length)
 
     def epoch_order(self, seed: int, epoch: int) -> torch.Tensor:
         """This part's samples in the order of `epoch`: shards shuffled, then each window of
