@@ -152,7 +152,8 @@ class Config:
                                      flags=["--local-rank", "--local_rank"], in_file=False,
                                      group="distributed")
 
-    checkpoint_dir: str = setting("checkpoints", "where checkpoints are written", group="output")
+    checkpoint_dir: str = setting("checkpoints", "where checkpoints are written", metavar="DIR",
+                                  group="output")
     save_every: int = setting(1, "save every N epochs, 0 = only at the end", low=0,
                               group="output")
     save_every_steps: int = setting(0, "also save every N optimizer steps, 0 = off", low=0,
@@ -164,7 +165,7 @@ class Config:
     async_save: bool = setting(False, "write checkpoints in the background while training goes "
                                "on", group="output")
     output_dir: str = setting("runs/latest", "metrics.jsonl, summary.json and config.json go "
-                              "here", group="output")
+                              "here", metavar="DIR", group="output")
     run_name: str | None = setting(None, "outputs in runs/NAME and checkpoints in "
                                    "checkpoints/NAME (unless --output-dir / --checkpoint-dir "
                                    "are given)", type=folder_name, group="output")
