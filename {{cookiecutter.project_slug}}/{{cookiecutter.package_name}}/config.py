@@ -152,8 +152,7 @@ class Config:
                                      flags=["--local-rank", "--local_rank"], in_file=False,
                                      group="distributed")
 
-    checkpoint_dir: str = setting("checkpoints", "where checkpoints are written", metavar="DIR",
-                                  group="output")
+    checkpoint_dir: str = setting("checkpoints", "where checkpoints are written", group="output")
     save_every: int = setting(1, "save every N epochs, 0 = only at the end", low=0,
                               group="output")
     save_every_steps: int = setting(0, "also save every N optimizer steps, 0 = off", low=0,
@@ -165,7 +164,7 @@ class Config:
     async_save: bool = setting(False, "write checkpoints in the background while training goes "
                                "on", group="output")
     output_dir: str = setting("runs/latest", "metrics.jsonl, summary.json and config.json go "
-                              "here", metavar="DIR", group="output")
+                              "here", group="output")
     run_name: str | None = setting(None, "outputs in runs/NAME and checkpoints in "
                                    "checkpoints/NAME (unless --output-dir / --checkpoint-dir "
                                    "are given)", type=folder_name, group="output")

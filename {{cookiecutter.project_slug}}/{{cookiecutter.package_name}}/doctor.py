@@ -107,14 +107,15 @@ def preflight(argv: list[str], caller: str) -> tuple[Config, list[str]]:
 
 
 def absolute_paths(cfg: Config) -> list[str]:
-    """Flags that make each relative path given absolute, from this folder (in `cfg` too): values
-    of settings whose metavar names a PATH or DIR, but not its words (--resume auto) nor URLs."""
+    """Flags that make each relative path given absolute, from here (in `cfg` too): of settings
+    named *_dir or whose metavar names a PATH, but not its words (--resume auto) nor URLs."""
     flags = []
     for settings, prefix in ((cfg, ""), (cfg.task, "task.")):
         for f in dataclasses.fields(settings):
             metavar = f.metadata.get("flag", {}).get("metavar", "")
             value = getattr(settings, f.name)
-            if (prefix + f.name in cfg.given and ("PATH" in metavar or "DIR" in metavar) and value
+            is_path = "PATH" in metavar or f.name.endswith("_dir")
+            if (is_path and prefix + f.name in cfg.given and value
                     and value not in metavar.strip("{}").split(",") and not storage.is_url(value)):
                 setattr(settings, f.name, os.path.abspath(value))
                 flags += [f"--{f.name.replace('_', '-')}", getattr(settings, f.name)]
