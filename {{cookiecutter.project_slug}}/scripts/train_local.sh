@@ -3,30 +3,36 @@
 #   scripts/train_local.sh --epochs 10
 #   NPROC=4 scripts/train_local.sh --batch-size 64
 set -euo pipefail
+CALLER=$PWD
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 for arg in "$@"; do
   if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then exec "$PYTHON" train.py --help; fi
 done
-# The flags are checked once, before any process starts: a mistake is one error line (exit 2), not
-# one per restart. Then the processes this machine takes, as the doctor says: one per GPU (per two
-# GPUs with --model-layout model_parallel_2), or 2 CPU processes.
-COUNT=$("$PYTHON" - "$@" <<'EOF'
+# Checked once, before any process starts (doctor.py's preflight): the flags (a mistake: one error
+# line, exit 2), the data and the checkpoint to resume (exit 1), not once per process and restart.
+# Relative paths are read from where you ran this script. Then the processes this machine takes,
+# as the doctor says: one per GPU (per two GPUs with --model-layout model_parallel_2), or 2 CPU
+# processes.
+LAUNCH=$("$PYTHON" - "$CALLER" "$@" <<'EOF'
+import shlex
 import sys
 import torch
-from {{ cookiecutter.package_name }} import task
-from {{ cookiecutter.package_name }}.config import parse_args
-from {{ cookiecutter.package_name }}.doctor import processes_per_node
-cfg = parse_args(sys.argv[1:], getattr(task, "Settings", None), warn=False)  # the run warns
-print(processes_per_node(torch.cuda.device_count(), cfg.model_layout))
+from {{ cookiecutter.package_name }}.doctor import preflight, processes_per_node
+cfg, flags = preflight(sys.argv[2:], caller=sys.argv[1])
+print(shlex.join([str(processes_per_node(torch.cuda.device_count(), cfg.model_layout)), *flags]))
 EOF
 )
-NPROC=${NPROC:-$COUNT}
+eval "set -- $LAUNCH"  # the process count, then the flags with their paths made absolute
+NPROC=${NPROC:-$1}
+shift
 {% if cookiecutter.launcher == "torchrun" -%}
 # torchrun (`python -m torch.distributed.run` is the same program, of this Python).
 # --standalone: a private rendezvous on a free port, so several jobs can share the machine.
 # --max-restarts: if a worker dies, torchrun restarts the group, which resumes from the newest checkpoint.
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$NPROC" --max-restarts="${MAX_RESTARTS:-3}" train.py "$@"
+# Through runtime/workarounds.py: a mistake found in the processes ends the job at once (no restart
+# cures it), and a stop by a signal (Ctrl-C, SIGTERM) with one line, not the agent's traceback.
+exec "$PYTHON" -m {{ cookiecutter.package_name }}.runtime.workarounds torchrun --standalone --nproc-per-node="$NPROC" --max-restarts="${MAX_RESTARTS:-3}" train.py "$@"
 {%- elif cookiecutter.launcher == "spawn" -%}
 # train.py starts the processes itself with mp.spawn and picks a free port.
 exec "$PYTHON" train.py --nprocs "$NPROC" "$@"

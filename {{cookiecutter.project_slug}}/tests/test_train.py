@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 from conftest import (
@@ -102,12 +103,32 @@ def test_unreadable_resume_path_is_one_error_line(workdir):
 
 
 def test_local_script_trains_with_the_chosen_launcher(workdir, bin_dir):
-    args = [*SMALL, "--no-progress", "--epochs", "1", "--output-dir", str(workdir / "runs"),
-            "--checkpoint-dir", str(workdir / "ck")]
-    ok(run_cmd(["bash", str(PROJECT_ROOT / "scripts/train_local.sh"), *args], workdir,
-               PATH=path_with(bin_dir), NPROC="2", PYTHON=sys.executable))
+    """The README's script, run from another folder: its relative paths are read from there. Then
+    the same command with a wider model, which the checkpoint it left does not fit: one line
+    within seconds (checked before any process starts), not one per process and restart."""
+    command = ["bash", str(PROJECT_ROOT / "scripts/train_local.sh"), *SMALL, "--no-progress",
+               "--epochs", "1", "--output-dir", "runs", "--checkpoint-dir=ck"]
+    env = {"PATH": path_with(bin_dir), "NPROC": "2", "PYTHON": sys.executable}
+    ok(run_cmd(command, workdir, **env))
     done = summary(workdir / "runs")
     assert done["world_size"] == 2 and done["launcher"] == "{{ cookiecutter.launcher }}"
+    assert list_checkpoints(workdir / "ck")
+    started = time.monotonic()
+    result = run_cmd([*command, "--hidden-size", "96"], workdir, **env)
+    assert "does not fit the model" in one_error(result) and result.returncode == 1
+    assert time.monotonic() - started < 15 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_mistake_the_processes_find_ends_the_local_script_at_once(workdir):
+    """--max-restarts (3 in the script) is for a lost worker or peer: a mistake every process
+    finds (a metric the evaluation does not report) is one line, with no restart and no report of
+    the launcher (but of the deprecated torch.distributed.launch)."""
+    result = run_cmd(["bash", str(PROJECT_ROOT / "scripts/train_local.sh"), *SMALL, "--epochs",
+                      "1", "--no-progress", "--keep-best", "val_nope:max", "--output-dir", "runs",
+                      "--checkpoint-dir", "ck"], workdir, PYTHON=sys.executable)
+    assert "--keep-best val_nope: the evaluation reports no such metric" in one_error(result)
+    assert result.returncode == 1 and result.stdout.count("world: ") == 1, result.stdout
+    assert "{{ cookiecutter.launcher }}" == "launch" or "Traceback" not in result.stderr
 
 
 def test_a_bad_flag_to_the_local_script_is_one_line_before_any_process_starts(tmp_path, bin_dir):

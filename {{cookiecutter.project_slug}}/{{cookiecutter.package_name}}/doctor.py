@@ -16,6 +16,7 @@ at --world-size processes, per layout, and every setting that is wrong at that s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import shutil
@@ -23,13 +24,17 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from contextlib import redirect_stderr, redirect_stdout
 
 import torch
 import torch.distributed as dist
 
 from . import task
+from .checkpoint import storage
+from .checkpoint.resume import check_same_shapes, pick_checkpoint, saved_model
 from .config import Config, parse_args
-from .failures import ProjectError, RunFailure, UsageError, is_communication_failure
+from .failures import ProjectError, RunFailure, UsageError, is_communication_failure, report_error
+from .main import load_datasets
 from .plan import plan
 from .runtime.environments import World, resolve_world
 from .runtime.launch import Setup, joined, resolve
@@ -71,6 +76,50 @@ def processes_per_node(cuda_count: int, layout: str) -> int:
     if cuda_count == 0:
         return 2
     return max(1, cuda_count // 2) if layout == "model_parallel_2" else cuda_count
+
+
+def preflight(argv: list[str], caller: str) -> tuple[Config, list[str]]:
+    """scripts/train_local.sh, before any process starts: the flags, read in `caller` (where it was
+    run), the data, and whether the checkpoint to resume fits the model; a mistake is one line here,
+    not one per process and restart. Returns the settings, and the flags for the processes (run in
+    the project's folder) with each relative path given made absolute."""
+    project = os.getcwd()
+    os.chdir(caller)
+    cfg = parse_args(argv, getattr(task, "Settings", None), warn=False)  # the run warns
+    argv = argv + absolute_paths(cfg)
+    os.chdir(project)
+    where = cfg.checkpoint_dir if cfg.resume == "auto" else cfg.resume
+    try:
+        with open(os.devnull, "w") as null, redirect_stdout(null), redirect_stderr(null):
+            load_datasets(cfg)  # (its notes are the run's to print)
+            # A checkpoint in a bucket is left to rank 0: it would be downloaded twice.
+            path = None if storage.is_url(where) else pick_checkpoint(cfg.resume, where)
+            if path is not None:
+                with torch.device("meta"):  # the model's shapes, without memory
+                    model = task.build_model(cfg)
+                check_same_shapes(model.state_dict(), saved_model(path), path)
+    except ProjectError as exc:
+        report_error(exc, 0)
+        sys.exit(1)
+    except Exception:  # e.g. a task.py that needs the process group: the processes will say
+        pass
+    return cfg, argv
+
+
+def absolute_paths(cfg: Config) -> list[str]:
+    """Flags that make each relative path given absolute, from here (in `cfg` too): of settings
+    named *_dir or whose metavar names a PATH, but not its words (--resume auto) nor URLs."""
+    flags = []
+    for settings, prefix in ((cfg, ""), (cfg.task, "task.")):
+        for f in dataclasses.fields(settings):
+            metavar = f.metadata.get("flag", {}).get("metavar", "")
+            value = getattr(settings, f.name)
+            is_path = "PATH" in metavar or f.name.endswith("_dir")
+            if (is_path and prefix + f.name in cfg.given and value
+                    and value not in metavar.strip("{}").split(",") and not storage.is_url(value)):
+                setattr(settings, f.name, os.path.abspath(value))
+                flags += [f"--{f.name.replace('_', '-')}", getattr(settings, f.name)]
+    return flags
 
 
 def traps(world: World, cuda_count: int, backend: str) -> list[str]:

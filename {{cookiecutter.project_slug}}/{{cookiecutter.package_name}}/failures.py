@@ -73,13 +73,14 @@ PRINTER_WAIT_S = 10.0  # under torchrun: how long a silent rank waits for local 
 
 def report_error(exc: ProjectError, local_rank: int | None = None) -> None:
     local_rank = local_rank_from_env() if local_rank is None else local_rank
+    final = exc.everywhere or isinstance(exc, UsageError)  # a restart cures neither
     if exc.quiet:  # printed by a rank that may be on another node, a moment behind
-        leave_for_torchrun(str(exc))
+        leave_for_torchrun(str(exc), final)
         time.sleep(QUIET_EXIT_DELAY_S)
     elif exc.everywhere:
         say_once_per_node(str(exc), local_rank)
     else:
-        _say(str(exc))
+        _say(str(exc), final)
 
 
 def say_once_per_node(line: str, local_rank: int) -> None:
@@ -100,15 +101,17 @@ def say_once_per_node(line: str, local_rank: int) -> None:
         time.sleep(0.05)
 
 
-def _say(line: str) -> None:
+def _say(line: str, final: bool = True) -> None:
     sys.stderr.write(f"error: {line}\n")  # one write: lines of several ranks do not interleave
     sys.stderr.flush()
-    leave_for_torchrun(line)  # after the line: a rank waiting for it takes the file as the sign
+    leave_for_torchrun(line, final)  # after the line: a waiting rank takes the file as the sign
 
 
-def leave_for_torchrun(line: str) -> None:
+def leave_for_torchrun(line: str, final: bool = True) -> None:
     """torchrun ends a failed job with a traceback and a box naming the first rank that failed; the
-    file it gives each worker puts this line in that box, printed last, in place of a doc link."""
+    file it gives each worker puts this line in that box, printed last, in place of a doc link.
+    `final`: no restart can cure it (a mistake, or what every rank found, not a lost peer); the
+    agent of runtime/workarounds.py then ends the job at once, without that box."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
     if not path or os.path.exists(path):
         return
@@ -116,7 +119,8 @@ def leave_for_torchrun(line: str) -> None:
     try:
         with open(path, "w", encoding="utf-8") as handle:
             json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
-                                                                 "timestamp": now}}}, handle)
+                                                                 "timestamp": now}},
+                       "final": final}, handle)
     except OSError:
         pass  # the box then shows torch's link; the line itself is already printed
 

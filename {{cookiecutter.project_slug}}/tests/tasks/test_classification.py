@@ -6,6 +6,7 @@ with your own task, replace these with tests of yours; every other test keeps wo
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import sys
@@ -82,6 +83,19 @@ def test_image_folder_is_decoded_one_image_at_a_time_by_worker_processes(workdir
     lines = result.stdout.splitlines()
     assert lines[0].startswith("images/class0/001.jpg: class0 (") and len(lines) == 2
     assert lines[1].startswith("images/class1/002.png: class1 (")
+
+
+@pytest.mark.full
+def test_the_local_script_reads_relative_paths_from_where_it_was_run(workdir):
+    """scripts/train_local.sh runs in the project's folder; `--data images` given in another one
+    (which has them, the project has not) is read from there."""
+    write_image_folder(workdir / "images", 8)
+    ok(run_cmd(["bash", str(PROJECT_ROOT / "scripts/train_local.sh"), "--data", "images",
+                "--epochs", "1", "--batch-size", "8", "--hidden-size", "8", "--no-progress",
+                "--output-dir", "runs", "--checkpoint-dir", "ck"], workdir, PYTHON=sys.executable))
+    assert summary(workdir / "runs")["epochs_completed"] == 1
+    given = json.loads((workdir / "runs/config.json").read_text())["data"]
+    assert Path(given).resolve() == (workdir / "images").resolve()
 
 
 def test_a_folder_without_class_folders_is_one_error_line(workdir):

@@ -6,6 +6,7 @@ with. Delete a function (and its one call) once the oldest supported torch no lo
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import socket
@@ -13,7 +14,7 @@ import sys
 from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
@@ -112,20 +113,48 @@ def use_libuv() -> bool:
 
 
 def torchrun_quietly(argv: list[str]) -> int:
-    """torchrun, ending with one line and exit 128 + signal when it is stopped by a signal.
+    """torchrun, where a failure no restart cures ends the job at once and quietly (its processes
+    said why), and a stop by a signal with one line and exit 128 + the signal.
 
-    Without it: every preemption or `scancel` of a SLURM job prints about 30 lines of the agent's
-    traceback into slurm-N.out (SignalException: torchrun turns SIGTERM into an exception so that it
-    can stop its workers first, then lets it escape; https://github.com/pytorch/pytorch/pull/61602).
-    Its workers were stopped and have saved by then. Seen with torch 2.5 to 2.13."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import main
+    Without it: torchrun restarts the job (--max-restarts) whatever failed, so a mistake is printed
+    once per attempt, then under about 30 lines of its ChildFailedError; so is every preemption or
+    `scancel` (SignalException: https://github.com/pytorch/pytorch/pull/61602). Its agent has no
+    notion of a failure not worth a restart: here it reads each worker's error file, whose "final"
+    failures.leave_for_torchrun sets. Seen with torch 2.5 to 2.13."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    def final(failures: dict) -> bool:
+        return any(f.error_file_data.get("final") for f in failures.values())
+
+    monitor, log = LocalElasticAgent._monitor_workers, logging.getLogger(api.__name__)
+
+    def no_restart_if_final(agent: LocalElasticAgent, group: Any) -> Any:
+        held: list[logging.LogRecord] = []  # its lines on a failure: said unless final
+        log.addFilter(held.append)
+        result = monitor(agent, group)
+        log.removeFilter(held.append)
+        if final(result.failures):
+            agent._remaining_restarts = 0
+            held.clear()
+        for record in held:
+            log.handle(record)
+        return result
+
+    LocalElasticAgent._monitor_workers = no_restart_if_final
+    logging.getLogger("torch.distributed.run").propagate = False  # plain lines, as from torchrun
     try:
-        main(argv)
-    except SignalException as stop:
+        run(parse_args(argv))
+    except api.SignalException as stop:
         print(f"torchrun: stopped by {signal.Signals(stop.sigval).name}; its training processes "
               "were stopped too", file=sys.stderr, flush=True)
         return 128 + stop.sigval
+    except ChildFailedError as failed:
+        if not final(failed.failures):
+            raise
+        return 1
     return 0
 
 
