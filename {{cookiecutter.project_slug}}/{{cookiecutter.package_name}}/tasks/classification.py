@@ -195,10 +195,9 @@ def model_input(image: torch.Tensor) -> torch.Tensor:
 
 def decodes(path: Path) -> bool:
     try:
-        read_image(path)
+        return read_image(path) is not None
     except UsageError:
         return False
-    return True
 
 
 def class_names(root: str | Path) -> list[str]:
@@ -293,8 +292,7 @@ def eval_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> 
 
 def predict(model: nn.Module, inputs: list[str], cfg: Config) -> list[str]:
     """Image files -> the most likely class of each (scripts/predict.py)."""
-    names = (class_names(cfg.data) if cfg.data and (is_shard_set(cfg.data) or
-                                                     Path(cfg.data).is_dir()) else None)
+    names = class_names(cfg.data) if cfg.data and Path(cfg.data).is_dir() else None
     images = torch.stack([model_input(read_image(Path(path))) for path in inputs])
     probabilities = model(images).float().softmax(-1)
     best, labels = probabilities.max(-1)
