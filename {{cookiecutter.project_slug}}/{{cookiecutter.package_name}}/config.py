@@ -108,7 +108,8 @@ class Config:
                                   "step; --num-workers 0 only)", choices=["auto", "never"],
                                   group="data")
     shard_cache: str = setting("~/.cache/shards", "--data at a URL: the folder on this machine "
-                               "that keeps its shards while they are used", group="data")
+                               "that keeps its shards while they are used", metavar="PATH",
+                               group="data")
     shard_cache_gb: float = setting(50.0, "the most --shard-cache holds (least recently used "
                                     "shards go)", type=number("float", 0, 1e6, above=True),
                                     group="data")
