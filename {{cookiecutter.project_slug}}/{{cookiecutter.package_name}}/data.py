@@ -1,16 +1,13 @@
 """Batches from any map-style Dataset, sharded across ranks.
 
-- `ShardedBatchSampler`: which samples each rank trains on; a new shuffle every epoch (`set_epoch`,
-  the step people forget), shards padded to the same number of batches on every rank, and a
-  start batch, so a resumed run skips what it already trained without loading it.
+- `ShardedBatchSampler`: each rank's samples, shuffled anew every epoch (`set_epoch`, the step
+  people forget), as many batches on every rank, and a start batch to skip what a resume trained.
 - `BatchFetcher`: one batch of indices into a batch; a data set with `__getitems__` is asked for
   the whole batch at once (in-memory tensors: one gather), any other one sample by sample.
-- `build_loader`: the fetcher in this process or in worker processes, each batch's random
-  numbers seeded from (seed, rank, epoch, batch), so random augmentation does not depend on
-  which worker made the batch or on whether the run was resumed.
+- `build_loader`: the fetcher in this process or in workers; each batch's random numbers are seeded
+  from (seed, rank, epoch, batch): augmentation does not depend on the worker or on a resume.
 - On a GPU, `place_on_device` keeps in-memory data that fits on the device (batches are cut
-  there: no copy at all), and other batches are copied ahead (runtime/prefetch.py).
-"""
+  there: no copy at all), and other batches are copied ahead (runtime/prefetch.py)."""
 
 from __future__ import annotations
 
@@ -29,15 +26,11 @@ from .runtime.workers import worker_loader
 
 
 class InMemoryDataset(Dataset):
-    """Tensors with the same first dimension, served whole batches at a time.
-
-    With one tensor, an item is its row and a batch a tensor of rows; with several, items and
-    batches are tuples. `__getitems__` cuts a batch with one indexing operation per tensor.
-    """
+    """Tensors with the same first dimension, served whole batches at a time: an item is a row (a
+    tuple of rows with several tensors), and `__getitems__` cuts a batch with one indexing each."""
 
     def __init__(self, *tensors: torch.Tensor) -> None:
-        sizes = {t.shape[0] for t in tensors}
-        if len(sizes) != 1:
+        if len({t.shape[0] for t in tensors}) != 1:
             raise ValueError(f"tensors of different lengths: {[t.shape[0] for t in tensors]}")
         self.tensors = tensors
 
@@ -61,20 +54,17 @@ class InMemoryDataset(Dataset):
 
 
 def split_for_validation(size: int, n_val: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train indices, validation indices): `n_val` of `size` samples held out by a seeded
-    shuffle, the same on every rank."""
+    """(train indices, validation indices): `n_val` of `size` held out by a seeded shuffle."""
     order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + 1))
     return order[n_val:], order[:n_val]
 
 
 class ShardedBatchSampler:
-    """This rank's batches of one epoch, as `(seed, indices)` pairs.
-
-    Like DistributedSampler + BatchSampler: the epoch's permutation (seeded by seed + epoch) is
-    padded to a multiple of the world size and dealt out round-robin, so every rank has the same
-    number of samples; the last batch may be short. Batch k of every rank together is the same
-    samples at any world size with the same global batch (batch size x world size).
-    """
+    """This rank's batches of one epoch, as `(seed, indices)` pairs. Like DistributedSampler +
+    BatchSampler: the epoch's permutation (seeded by seed + epoch) is padded to a multiple of the
+    world size and dealt out round-robin, so every rank has the same number of samples; the last
+    batch may be short. Batch k of every rank together is the same samples at any world size with
+    the same global batch (batch size x world size)."""
 
     def __init__(self, size: int, rank: int, world_size: int, batch_size: int, seed: int,
                  shuffle: bool = True, order: Callable[[int, int], torch.Tensor] | None = None
@@ -163,8 +153,7 @@ class BatchFetcher:
     """What a DataLoader worker (or, without workers, the training process) does for one batch."""
 
     def __init__(self, dataset: Dataset, collate: Callable[[list[Any]], Any] | None) -> None:
-        self.dataset = dataset
-        self.collate = collate or default_collate
+        self.dataset, self.collate = dataset, collate or default_collate
         self._getitems = getattr(dataset, "__getitems__", None)
 
     def __len__(self) -> int:
@@ -178,10 +167,8 @@ class BatchFetcher:
             if "numpy" in sys.modules:
                 sys.modules["numpy"].random.seed(seed % 2**32)
         try:
-            if self._getitems is not None:
-                data = self._getitems(indices)
-            else:
-                data = [self.dataset[i] for i in indices.tolist()]
+            data = (self._getitems(indices) if self._getitems is not None
+                    else [self.dataset[i] for i in indices.tolist()])
         except ProjectError as exc:
             if get_worker_info() is None:
                 raise
@@ -200,11 +187,9 @@ class WorkerError:
 
 
 class InProcessLoader:
-    """Batches made in the training process: what `DataLoader(num_workers=0)` does with our
-    sampler, without its per-batch bookkeeping (about 20 us a step, a few percent of a small
-    model's step). On a GPU, DevicePrefetcher pins them: one more host copy on the training
-    thread, which buys a copy to the device that overlaps the step (from unpinned memory it would
-    not)."""
+    """Batches made in the training process: `DataLoader(num_workers=0)` with our sampler, without
+    its per-batch bookkeeping (about 20 us, a few percent of a small model's step). On a GPU,
+    DevicePrefetcher pins them: one more host copy, which lets the copy to the device overlap."""
 
     def __init__(self, fetcher: BatchFetcher, batches: Any) -> None:
         self.fetcher, self.batches = fetcher, batches
@@ -219,9 +204,8 @@ class InProcessLoader:
 
 def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_workers: int,
                  device: torch.device) -> InProcessLoader | DataLoader | DevicePrefetcher:
-    """A loader over `batches` (a ShardedBatchSampler or FixedBatches) of `dataset`: batches made
-    in this process, or in worker processes (runtime/workers.py; the data set and `collate` must
-    then be picklable); on a GPU it prefetches to the device, unless the data lives there."""
+    """`batches` (a ShardedBatchSampler or FixedBatches) of `dataset`, made here or by workers
+    (runtime/workers.py: data set and `collate` must pickle), prefetched to a GPU unless there."""
     fetcher = BatchFetcher(dataset, collate)
     on_gpu = device.type == "cuda"
     if num_workers == 0:
@@ -242,17 +226,14 @@ def lives_on(dataset: Dataset | None, device: torch.device) -> bool:
 
 def place_on_device(datasets: list[Dataset | None], device: torch.device, num_workers: int,
                     policy: str, free_bytes: int | None = None) -> list[Dataset | None]:
-    """--data-on-device auto: in-memory data sets (InMemoryDataset) move to the GPU when together
-    they take at most a quarter of its free memory (`free_bytes`: the device's now; the model is
-    not built yet) and batches are made in this process; batches are then cut on the GPU and
-    nothing is copied per step. Any other data set stays where it is."""
+    """--data-on-device auto: InMemoryDatasets move to the GPU when together they take at most a
+    quarter of its free memory (`free_bytes`: now, before the model is built) and batches are made
+    in this process: they are then cut on the GPU, nothing is copied per step."""
     movable = [d for d in datasets if type(d) is InMemoryDataset]
     if policy == "never" or device.type == "cpu" or num_workers > 0 or not movable:
         return datasets
-    if free_bytes is None:
-        free_bytes = torch.cuda.mem_get_info(device)[0]
-    size = sum(t.numel() * t.element_size() for d in movable for t in d.tensors)
-    if size > free_bytes // 4:
+    free_bytes = torch.cuda.mem_get_info(device)[0] if free_bytes is None else free_bytes
+    if sum(t.numel() * t.element_size() for d in movable for t in d.tensors) > free_bytes // 4:
         return datasets
     return [InMemoryDataset(*(t.to(device) for t in d.tensors))
             if type(d) is InMemoryDataset else d for d in datasets]

@@ -1,11 +1,9 @@
 """--ema-decay: an exponential moving average of the weights, evaluated and exported in their place.
 
-After every optimizer step that was taken, `ema = decay * ema + (1 - decay) * weights`, in fp32
-on each weight's own device. Each rank averages what it holds: the whole model (data_parallel), both
-stages (model_parallel_2), or only its own shards (fsdp: the average of a shard is the shard of the
-average, so no all-gather). Buffers (e.g. BatchNorm's running statistics) are not averaged: the
-model's own are used with the averaged weights.
-"""
+After every optimizer step taken, `ema = decay * ema + (1 - decay) * weights`, in fp32 on each
+weight's own device. Each rank averages what it holds: the whole model (data_parallel), both stages
+(model_parallel_2), or its own shards (fsdp: the average of a shard is the shard of the average, no
+all-gather). Buffers (BatchNorm's running statistics) are the model's own, not averaged."""
 
 from __future__ import annotations
 
@@ -26,9 +24,8 @@ class EMA:
     def __init__(self, model: nn.Module, decay: float) -> None:
         """model: the unwrapped model (the names of its state_dict)."""
         self.decay = decay
-        named = [(name, p) for name, p in model.named_parameters()]
-        self.names = [name for name, _ in named]
-        self.params = [p for _, p in named]
+        self.names = [name for name, _ in model.named_parameters()]
+        self.params = [p for _, p in model.named_parameters()]
         self.averages = [local_part(p).detach().float().clone() for p in self.params]
 
     @torch.no_grad()
@@ -84,8 +81,7 @@ def _like(p: torch.Tensor, average: torch.Tensor) -> torch.Tensor:
 
 
 def model_state(state: dict[str, Any], raw_weights: bool = False) -> dict[str, torch.Tensor]:
-    """A checkpoint's model state_dict, with its EMA in place of the weights when it has one (and
-    `raw_weights` is not asked for)."""
+    """A checkpoint's model state_dict, with its EMA (if any) as weights unless `raw_weights`."""
     model = dict(state["model"])
     if state.get("ema") and not raw_weights:
         model.update({name: average.to(model[name].dtype)

@@ -2,8 +2,7 @@
 
 Each rank sums its share; one all_reduce adds the sums of all ranks, so `val_<name> = sum / count`
 is exactly the single-process value (up to rounding), whatever the number of ranks. `Evaluation`
-decides when to evaluate and what follows: the log, --keep-best and --early-stop, --eval-only.
-"""
+decides when to evaluate and what follows: the log, --keep-best and --early-stop, --eval-only."""
 
 from __future__ import annotations
 
@@ -55,22 +54,20 @@ class Evaluator:
                 sums[key] = sums[key] + value if key in sums else value
         model.train()
         _reshard(model)
-        keys = self.keys
         zero = torch.zeros((), dtype=torch.float64, device=self.comm_device)
-        totals = torch.stack([sums.get(k, zero) for k in keys])
+        totals = torch.stack([sums.get(k, zero) for k in self.keys])
         dist.all_reduce(totals)
-        total = dict(zip(keys, totals.tolist(), strict=True))
+        total = dict(zip(self.keys, totals.tolist(), strict=True))
         averages = {k: total[k] / max(total.get(f"{k}_count", total.get("count", 0)), 1e-300)
-                    for k in keys if k != "count" and not k.endswith("_count")}
+                    for k in self.keys if k != "count" and not k.endswith("_count")}
         if hasattr(self.task, "finalize_metrics"):
             averages = self.task.finalize_metrics(averages)
         return {f"val_{k}": v for k, v in averages.items()}
 
     @torch.no_grad()
     def reported(self, model: nn.Module, autocast: Any, ema: EMA | None = None) -> list[str]:
-        """The `val_*` names `run` reports, from one validation batch: a metric named in a flag
-        is checked before training, not after an epoch (every rank runs this: under fsdp the
-        forward gathers weights)."""
+        """The `val_*` names `run` reports, from one batch: a flag's metric is checked before
+        training, not after an epoch (every rank runs this: under fsdp the forward gathers)."""
         model.eval()
         with autocast():
             values = self.task.eval_metrics(model, move_to(next(iter(self.loader)), self.device))
@@ -84,8 +81,7 @@ class Evaluator:
 
     @staticmethod
     def _names(values: dict[str, Any]) -> list[str]:
-        """The metric names, sorted: the same order on every rank (padding batches count here, so
-        a rank whose share is empty knows them too)."""
+        """Sorted metric names, the same on every rank (an empty share gets them from padding)."""
         if "count" not in values and not any(k.endswith("_count") for k in values):
             raise UsageError("task.eval_metrics must return per-batch sums and a 'count' (or "
                              f"'<metric>_count'); it returned {', '.join(values)}", everywhere=True)
@@ -93,8 +89,7 @@ class Evaluator:
 
 
 def parse_goal(text: str) -> tuple[str, bool]:
-    """'val_accuracy:max' -> ('val_accuracy', True). The direction may be left out only for a
-    loss, which is lower when better."""
+    """'val_accuracy:max' -> ('val_accuracy', True); a loss (lower is better) needs no direction."""
     name, _, direction = text.partition(":")
     name = name if name.startswith("val_") else f"val_{name}"
     if direction not in ("max", "min", ""):
@@ -123,18 +118,14 @@ def early_stop_flag(text: str) -> str:
 
 
 class ModelSelection:
-    """--keep-best and --early-stop: the best evaluation so far, and how many came after it.
-
-    Every rank sees the same (all-reduced) metrics, so every rank decides the same without a
-    collective. The state goes into checkpoints: a resumed run compares against the same best."""
+    """--keep-best and --early-stop: the best evaluation so far, and how many came after it. Every
+    rank sees the same (all-reduced) metrics and decides the same, without a collective; the state
+    goes into checkpoints, so a resumed run compares against the same best."""
 
     def __init__(self, keep_best: str | None, early_stop: str | None) -> None:
         self.keep = parse_goal(keep_best) if keep_best else None
-        self.stop = None
-        self.patience = 0
-        if early_stop:
-            goal, _, patience = early_stop.rpartition(":")
-            self.stop, self.patience = parse_goal(goal), int(patience)
+        goal, _, patience = (early_stop or "").rpartition(":")
+        self.stop, self.patience = (parse_goal(goal), int(patience)) if early_stop else (None, 0)
         self.best: dict[str, Any] = {}  # of --keep-best: metric, value, step (once saved)
         self.stop_best: float | None = None
         self.since_best = 0  # evaluations since --early-stop's metric last improved
@@ -152,12 +143,11 @@ class ModelSelection:
         """Take one evaluation's metrics; returns what to tell the user."""
         notes = []
         self.check(list(metrics))
-        self.new_best = False
         if self.keep:
             name, maximize = self.keep
-            if not self.best or _better(metrics[name], self.best["value"], maximize):
+            self.new_best = not self.best or _better(metrics[name], self.best["value"], maximize)
+            if self.new_best:
                 self.best = {"metric": name, "value": metrics[name], "step": step}
-                self.new_best = True
         if self.stop:
             name, maximize = self.stop
             if self.stop_best is None or _better(metrics[name], self.stop_best, maximize):
@@ -183,17 +173,14 @@ class ModelSelection:
 
 
 class Evaluation:
-    """When to evaluate and what follows. Each epoch's end and every --eval-every-steps: the
-    metrics are logged and printed, and --keep-best's and --early-stop's selection takes them.
-    --eval-only evaluates the resumed checkpoint instead of training."""
+    """When to evaluate (each epoch's end, every --eval-every-steps) and what follows: the log,
+    --keep-best and --early-stop; --eval-only evaluates the resumed checkpoint, no training."""
 
     def __init__(self, cfg: Any, evaluator: Evaluator | None, model: nn.Module, autocast: Any,
                  ema: EMA | None, is_main: bool, log: Callable[[dict[str, Any]], None]) -> None:
-        # cfg: a Config (config.py imports this module). model: fsdp's wrapper, else the plain
-        # module. log: a line of metrics.jsonl.
-        self.cfg, self.evaluator, self.model, self.autocast, self.ema = (
-            cfg, evaluator, model, autocast, ema)
-        self.is_main, self.log, self.every = is_main, log, cfg.eval_every_steps
+        # cfg: a Config (config.py imports this module); model: fsdp's wrapper, else the module.
+        self.cfg, self.evaluator, self.model, self.autocast = cfg, evaluator, model, autocast
+        self.ema, self.is_main, self.log, self.every = ema, is_main, log, cfg.eval_every_steps
         self.selection = ModelSelection(cfg.keep_best, cfg.early_stop)
         self.values: dict[str, float] = {}  # the last evaluation's metrics
 
@@ -210,18 +197,15 @@ class Evaluation:
         self.log({"step": step, "epoch": epoch, **self.values})
         notes = self.selection.update(self.values, step)
         if self.is_main:
-            print(f"epoch {epoch} validation: {_shown(self.values)}", flush=True)
-            for note in notes:
-                print(note, flush=True)
+            print(f"epoch {epoch} validation: {_shown(self.values)}", *notes, sep="\n", flush=True)
         return self.selection.new_best
 
     def check(self) -> None:
         """Before anything runs: a flag that needs a validation set, without one."""
         cfg = self.cfg
-        wants = [flag for flag, on in (("--eval-only", cfg.eval_only),
-                                       ("--eval-every-steps", cfg.eval_every_steps),
-                                       ("--keep-best", cfg.keep_best),
-                                       ("--early-stop", cfg.early_stop)) if on]
+        flags = {"--eval-only": cfg.eval_only, "--eval-every-steps": cfg.eval_every_steps,
+                 "--keep-best": cfg.keep_best, "--early-stop": cfg.early_stop}
+        wants = [flag for flag, on in flags.items() if on]
         if wants and self.evaluator is None:
             raise UsageError(f"{wants[0]} needs a validation set, and task.build_datasets "
                              "returned none (raise --val-fraction?)", everywhere=True)
@@ -232,8 +216,7 @@ class Evaluation:
             self.selection.check(self.evaluator.reported(self.model, self.autocast, self.ema))
 
     def evaluate_only(self, checkpoint: str | None, step: int) -> dict[str, Any]:
-        """--eval-only: the metrics of the resumed checkpoint, written to eval.json; no training,
-        no checkpoint, no summary."""
+        """--eval-only: the resumed checkpoint's metrics, written to eval.json; nothing else."""
         if not checkpoint:
             raise UsageError(f"--eval-only needs a checkpoint, and there is none in "
                              f"--checkpoint-dir {self.cfg.checkpoint_dir}; name one with --resume "

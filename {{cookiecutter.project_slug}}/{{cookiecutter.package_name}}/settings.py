@@ -1,10 +1,8 @@
 """Settings, declared once, and the flags built from them.
 
-`setting` gives each setting its default, its help and its check, for the run's `Config`
-(config.py) and for task.py's `Settings`. From those declarations alone this module builds every
---flag (batch_size: --batch-size), the keys of --config TOML files and --help. A bad value, on the
-command line or in a file, is one `error:` line and exit code 2.
-"""
+`setting` declares each setting's default, help and check, for the run's `Config` (config.py) and
+task.py's `Settings`; from them alone this module builds every --flag (batch_size: --batch-size),
+the --config TOML keys and --help. A bad value, flag or file, is one `error:` line, exit code 2."""
 
 from __future__ import annotations
 
@@ -35,11 +33,10 @@ GROUPS = {  # the sections of --help, in this order
 def setting(default: Any, help: str, low: float | None = None, unused_with: str | None = None,
             *, high: float | None = None, group: str | None = None, in_file: bool = True,
             **flag: Any) -> Any:
-    """One setting, declared once: its default; the one-line help of its --flag; for numbers the
-    lowest (and highest) value it accepts; the Config field (e.g. "data") that makes it do
-    nothing: set both, and the run starts with a warning. Config's own settings also name their
-    section of --help (a key of GROUPS), whether a --config file may set them, and any other
-    argparse details of the flag (type, choices, metavar, action, flags)."""
+    """One setting: its default; its --flag's one-line help; for numbers the lowest (and highest)
+    value it accepts; the Config field (e.g. "data") that makes it do nothing (set both: a warning).
+    Config's own also name their section of --help (a key of GROUPS), whether a --config file may
+    set them, and any other argparse details of the flag (type, choices, metavar, action, flags)."""
     meta = {"help": help, "low": low, "high": high, "unused_with": unused_with, "group": group,
             "in_file": in_file, "flag": flag}
     if isinstance(default, list):  # a list of its own for every Config
@@ -47,12 +44,10 @@ def setting(default: Any, help: str, low: float | None = None, unused_with: str 
     return field(default=default, metadata=meta)
 
 
-# ---------------------------------------------------------------------- value checks
 def _check(kind: type, ok: Callable[[Any], bool], rule: str) -> Callable[[str], Any]:
     """A flag's check: the text as `kind`, refused with "must be <rule> <value>" unless `ok`."""
     def parse(text: str) -> Any:
-        value = kind(text)
-        if not ok(value):
+        if not ok(value := kind(text)):
             raise argparse.ArgumentTypeError(f"must be {rule} {value if kind is int else text}")
         return value
     parse.__name__ = "integer" if kind is int else "number"  # argparse: "invalid number value"
@@ -102,7 +97,6 @@ def step_range(text: str) -> str:
     return text
 
 
-# ---------------------------------------------------------------------- flags
 class Parser(argparse.ArgumentParser):
     """argparse, with bad flags as one `error:` line, printed once per node, exit code 2."""
 
@@ -138,8 +132,7 @@ def build_parser(config: type, settings: type | None) -> Parser:
                      if f.metadata.get("in_file") is False}
     defaults, groups = config(), {}
     for f in dataclasses.fields(config):
-        name = f.metadata.get("group")
-        if name is None:  # task and given: filled in by parse_args
+        if (name := f.metadata.get("group")) is None:  # task and given: filled in by parse_args
             continue
         if name not in groups:
             groups[name] = p.add_argument_group(GROUPS[name])
@@ -187,16 +180,9 @@ def _add_setting(parser: Parser, group: Any, f: dataclasses.Field) -> None:
     _add_flag(group, f, dest, f.default, implied)
 
 
-# ---------------------------------------------------------------------- config files
 _TOML_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
                "str | None": (str,), "int | None": (int,), "float | None": (int, float),
                "list[str]": (str, list)}
-
-
-def _flag_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """'batch-size' -> its action, for every --flag."""
-    return {option[2:]: action for action in parser._actions  # argparse keeps them only here
-            for option in action.option_strings if option.startswith("--")}
 
 
 def config_file_values(path: str, parser: Parser) -> dict[str, Any]:
@@ -208,11 +194,12 @@ def config_file_values(path: str, parser: Parser) -> dict[str, Any]:
         parser.fail(f"--config {path}: no such file")
     except (OSError, tomllib.TOMLDecodeError) as exc:
         parser.fail(f"--config {path}: not a readable TOML file ({exc})")
-    actions = _flag_actions(parser)
+    # 'batch-size' -> its action, for every --flag (argparse keeps them only in _actions)
+    actions = {option[2:]: action for action in parser._actions
+               for option in action.option_strings if option.startswith("--")}
     values: dict[str, Any] = {}
     for key, value in table.items():
-        action = actions.get(key)
-        if action is None or action.dest in parser.launch_only:
+        if (action := actions.get(key)) is None or action.dest in parser.launch_only:
             parser.fail(f"--config {path}: unknown key '{key}'; keys are the flags without '--' "
                         "(see --help)")
         dest = action.dest
@@ -220,11 +207,9 @@ def config_file_values(path: str, parser: Parser) -> dict[str, Any]:
         if isinstance(value, bool) != (bool in expected) or not isinstance(value, expected):
             kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
                     list: "a string"}
-            parser.fail(f"--config {path}: key '{key}' must be {kind[expected[-1]]}, got "
-                        f"{value!r}")
+            parser.fail(f"--config {path}: key '{key}' must be {kind[expected[-1]]}, got {value!r}")
         if isinstance(value, bool):
-            flipped = action.const is False  # --no-progress
-            values[dest] = not value if flipped else value
+            values[dest] = not value if action.const is False else value  # --no-progress flips
             continue
         text = ",".join(value) if isinstance(value, list) else str(value)
         try:
@@ -242,12 +227,13 @@ def read_flags(argv: list[str] | None, config: type,
     """The parser, every flag's value (the command line's, else the --config file's, else the
     declared default) by dest, and the dests that either of the two set."""
     parser = build_parser(config, settings)
-    config_path = _config_path(argv)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # --config, read first
+    pre.add_argument("--config")
+    config_path = pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].config
     file_values = config_file_values(config_path, parser) if config_path else {}
     parser.set_defaults(**file_values)
     args = vars(parser.parse_args(argv))
-    given = sorted(set(file_values) | _given_on_command_line(config, settings, argv))
-    return parser, args, given
+    return parser, args, sorted(set(file_values) | _given_on_command_line(config, settings, argv))
 
 
 def _given_on_command_line(config: type, settings: type | None,
@@ -257,10 +243,3 @@ def _given_on_command_line(config: type, settings: type | None,
     probe = build_parser(config, settings)
     probe.set_defaults(**{a.dest: unset for a in probe._actions if a.dest != "help"})
     return {key for key, value in vars(probe.parse_args(argv)).items() if value is not unset}
-
-
-def _config_path(argv: list[str] | None) -> str | None:
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--config")
-    known, _ = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
-    return known.config

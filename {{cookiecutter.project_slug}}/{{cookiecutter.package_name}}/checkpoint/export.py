@@ -18,9 +18,8 @@ from .storage import AnyPath
 
 
 def export(source: AnyPath, output: AnyPath, raw_weights: bool = False) -> None:
-    """Any checkpoint (file or folder) as one file that loads with `weights_only=True`: `model`
-    (the plain state_dict: the EMA's weights if the run kept one, unless `raw_weights`), which
-    weights those are, epoch, step, world_size and config."""
+    """`source` as one file that loads with `weights_only=True`: `model` (the EMA's weights if the
+    run kept one, unless `raw_weights`), `weights` (which), epoch, step, world_size and config."""
     target = output.resolve()  # a link to a checkpoint is that checkpoint
     if target == source.resolve() or any(map(CHECKPOINT_NAME.match, Path(str(target)).parts)):
         raise UsageError(f"{output}: an export may not replace its source or a checkpoint "
@@ -31,9 +30,8 @@ def export(source: AnyPath, output: AnyPath, raw_weights: bool = False) -> None:
 
 
 def model_and_meta(source: AnyPath, raw_weights: bool = False) -> tuple[dict, dict]:
-    """The plain model state_dict of any checkpoint (file, folder or export) and its metadata
-    (with `weights`: "ema" or "raw"). A checkpoint with an EMA gives the EMA's weights unless
-    `raw_weights`."""
+    """The plain model state_dict of any checkpoint (file, folder or export), the EMA's weights if
+    it has one unless `raw_weights`, and its metadata (with `weights`: "ema" or "raw")."""
     try:
         found = source.exists()
     except OSError as exc:  # object storage: credentials, endpoint
@@ -54,7 +52,6 @@ def model_and_meta(source: AnyPath, raw_weights: bool = False) -> tuple[dict, di
 def load_full_state(path: Path) -> dict[str, Any]:
     """A checkpoint folder's state with whole tensors, without a process group (export)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     with tempfile.TemporaryDirectory() as tmp:
         whole = Path(tmp) / "whole.pt"
         dcp_to_torch_save(str(path), str(whole))

@@ -1,8 +1,7 @@
 """Checkpoints on disk: written atomically, never lost, loaded without unpickling code.
 
 Two formats, one naming scheme (the step is in the name, so the newest is the highest step):
-- `ckpt_stepNNNNNNNN.pt`: one file written by rank 0 (data_parallel, model_parallel_2). It loads
-  with `torch.load(path, weights_only=True)`.
+- `ckpt_stepNNNNNNNN.pt`: one file, written by rank 0 (data_parallel, model_parallel_2).
 - `ckpt_stepNNNNNNNN/`: a torch.distributed.checkpoint (DCP) folder in which every rank writes its
   own shards (fsdp), plus `meta.json` with the position in training.
 Both are written under a temporary name and renamed when complete, so a kill at any moment leaves
@@ -43,8 +42,7 @@ def step_of(path: AnyPath) -> int:
 
 def list_checkpoints(directory: str | AnyPath) -> list[AnyPath]:
     """Checkpoints (files and folders) in `directory`, newest (highest step) first."""
-    directory = storage.location(directory)
-    if not directory.is_dir():
+    if not (directory := storage.location(directory)).is_dir():
         return []
     found = [(step_of(p), p) for p in directory.iterdir() if CHECKPOINT_NAME.match(p.name)]
     return [p for _, p in sorted(found, reverse=True)]
@@ -79,9 +77,8 @@ def unreadable(path: AnyPath, resuming: bool = False) -> str | None:
     if not path.exists():
         return missing(path)
     if path.is_dir() and not is_complete(path):
-        if any(path.glob("*.distcp")):
-            return "incomplete: its save did not finish"
-        return "a folder without a checkpoint's .metadata and meta.json"
+        return ("incomplete: its save did not finish" if any(path.glob("*.distcp"))
+                else "a folder without a checkpoint's .metadata and meta.json")
     if not is_complete(path):
         return "empty: its save did not finish"
     if path.is_file() and not zipfile.is_zipfile(storage.local_copy(path)):
@@ -118,8 +115,7 @@ def fsync_dir(directory: Path) -> None:
 def write_file(state: dict[str, Any], path: AnyPath, newest: str = "",
                timeout_s: float = 300) -> None:
     """torch.save to a temp file in the same folder, fsync, rename: all or nothing. In object
-    storage: to a local temp file, then one upload, each try within `timeout_s` (`newest` names
-    the checkpoint to fall back on if it fails)."""
+    storage: a local file, then one upload (tries within `timeout_s`; the error names `newest`)."""
     if isinstance(path, RemotePath):
         with tempfile.TemporaryDirectory(prefix="ckpt-upload-") as tmp:
             write_file(state, Path(tmp) / path.name)

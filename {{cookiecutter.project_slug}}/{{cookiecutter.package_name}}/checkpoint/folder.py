@@ -17,17 +17,7 @@ from typing import Any
 import torch
 
 from ..failures import ProjectError, RunFailure, UsageError
-from . import storage
-from .files import (
-    AGAIN,
-    checkpoint_path,
-    fsync_dir,
-    is_complete,
-    list_checkpoints,
-    newest_complete,
-    step_of,
-    write_file,
-)
+from . import files, storage
 from .storage import AnyPath, RemotePath
 
 _TEMP = re.compile(r"^\.ckpt_step\d+.*\.tmp")
@@ -38,16 +28,12 @@ def _lock(handle: Any) -> bool:
     """Take an exclusive lock on an open file; False if another process holds it. The operating
     system releases it when the holder dies, so a killed run never leaves it stale."""
     try:
-        import fcntl
-    except ImportError:  # Windows
-        import msvcrt
-        try:
+        if os.name == "nt":  # no fcntl on Windows
+            import msvcrt
             msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
-            return True
-        except OSError:
-            return False
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        else:
+            import fcntl
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
     except OSError:
         return False
@@ -76,8 +62,7 @@ class CheckpointDir:
     def __init__(self, directory: str | AnyPath, keep_last: int, timeout_s: float = 300) -> None:
         self.directory = storage.location(directory)
         self.remote, self.timeout_s = isinstance(self.directory, RemotePath), timeout_s
-        self.saved: AnyPath | None = None  # this run's newest complete checkpoint
-        self.keep_last = keep_last
+        self.keep_last, self.saved = keep_last, None  # saved: this run's newest complete one
         self.keep_step: int | None = None  # --keep-best's checkpoint: never pruned
         self._lock_file: Any = None
         self._thread: threading.Thread | None = None
@@ -89,8 +74,8 @@ class CheckpointDir:
         if self.remote:
             probe(self.directory, min(30.0, self.timeout_s / 2))
             try:
-                for path in list_checkpoints(self.directory):
-                    if not is_complete(path) and path.is_dir() and path.age_s() > STALE_S:
+                for path in files.list_checkpoints(self.directory):
+                    if not files.is_complete(path) and path.is_dir() and path.age_s() > STALE_S:
                         storage.remove(path)
             except OSError as exc:  # e.g. allowed to write but not to list
                 raise UsageError(f"--checkpoint-dir {self.directory}: "
@@ -130,15 +115,15 @@ class CheckpointDir:
             self._lock_file = None
 
     def set_aside(self, resumed_from: Path | None) -> Path | None:
-        """Move checkpoints that are not this run's history into `earlier-<time>/`; nothing is
-        deleted. A run that resumes from step S of this folder continues its history: only
-        checkpoints after S (an abandoned continuation, or a damaged newest one) move. A run that
-        starts over, or resumes from another folder, moves them all."""
+        """Move checkpoints that are not this run's history into `earlier-<time>/` (nothing is
+        deleted): those after step S for a run resumed from step S of this folder (an abandoned
+        continuation, or a damaged newest one), else all of them."""
         same_folder = (resumed_from is not None
                        and storage.location(str(resumed_from)).resolve().parent
                        == self.directory.resolve())
-        keep_up_to = step_of(resumed_from) if same_folder else -1
-        others = [p for p in list_checkpoints(self.directory) if step_of(p) > keep_up_to]
+        keep_up_to = files.step_of(resumed_from) if same_folder else -1
+        others = [p for p in files.list_checkpoints(self.directory)
+                  if files.step_of(p) > keep_up_to]
         if not others:
             return None
         target = self.directory / f"earlier-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -150,9 +135,9 @@ class CheckpointDir:
     def prune(self) -> None:
         """Delete complete checkpoints beyond the newest --keep-last (never --keep-best's)."""
         if self.keep_last > 0:
-            complete = [p for p in list_checkpoints(self.directory) if is_complete(p)]
+            complete = [p for p in files.list_checkpoints(self.directory) if files.is_complete(p)]
             for old in complete[self.keep_last:]:
-                if step_of(old) != self.keep_step:
+                if files.step_of(old) != self.keep_step:
                     storage.remove(old)
 
     def commit(self, tmp: AnyPath, final: AnyPath) -> None:
@@ -160,15 +145,14 @@ class CheckpointDir:
         folder was written under its real name: its meta.json, just written, completes it.)"""
         if not self.remote:
             os.replace(tmp, final)
-            fsync_dir(self.directory)
+            files.fsync_dir(self.directory)
         self.saved = final
         self.prune()
 
-    # ------------------------------------------------------------------ writing (rank 0)
     def save_file(self, state: dict[str, Any], step: int) -> Path:
-        path = checkpoint_path(self.directory, step)
+        path = files.checkpoint_path(self.directory, step)
         # Within 0.8 x --timeout-s: before the other ranks give up.
-        write_file(state, path, newest_complete(self.saved), 0.8 * self.timeout_s)
+        files.write_file(state, path, files.newest_complete(self.saved), 0.8 * self.timeout_s)
         self.saved = path
         self.prune()
         return path
@@ -191,15 +175,14 @@ class CheckpointDir:
             except ProjectError as exc:  # kept whole: its class and flags
                 self._error = exc
             except BaseException as exc:  # DCP's CheckpointException too: no thread traceback
-                why, again = storage.reason(exc), f"; {AGAIN}" if self.remote else ""
+                why, again = storage.reason(exc), f"; {files.AGAIN}" if self.remote else ""
                 self._error = RunFailure(f"a background checkpoint save failed ({why}); "
-                                         f"{newest_complete(self.saved)}{again}")
+                                         f"{files.newest_complete(self.saved)}{again}")
 
         self._thread = threading.Thread(target=run, name="checkpoint-save", daemon=True)
         self._thread.start()
 
     def wait(self) -> None:
-        """Wait for a background save; raise its error, if it had one."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -209,9 +192,8 @@ class CheckpointDir:
 
 
 class Staging:
-    """Reusable CPU copies of a state's tensors, so a background save writes a copy taken at its
-    step while training changes the live tensors. The buffers are allocated once and refilled by
-    each save (on a GPU, in pinned memory: the copy out of GPU memory is one DMA per tensor)."""
+    """Reusable CPU copies of a state's tensors, for a background save to write while training goes
+    on: allocated once, refilled by each save (on a GPU, pinned: one DMA per tensor)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}

@@ -2,11 +2,10 @@
 
 `get_state_dict` / `set_state_dict` speak every layout: a DDP or split model gives plain tensors,
 an FSDP2 model its local shards (DTensors). DCP writes each rank's shards into one checkpoint
-folder and reads them back on any number of ranks, resharding as needed. A folder is written under
-a temporary name; rank 0 adds `meta.json` and renames it once DCP has written its `.metadata`
-(the last file, after every rank's data), so a folder with the real name is always complete.
-In object storage (no rename) the folder is written under its real name, and `meta.json`, written
-last, is what makes it complete."""
+folder and reads them back on any number of ranks, resharding as needed. Rank 0 adds `meta.json`
+and gives the folder its real name once DCP has written its `.metadata` (the last file, after every
+rank's data): a folder with the real name is complete. In object storage (no rename) it is written
+under its real name, and `meta.json`, written last, completes it."""
 
 from __future__ import annotations
 
@@ -66,9 +65,8 @@ def set_full_state(model: nn.Module, optimizers: Optimizers, model_state: dict[s
 
 def load(path: AnyPath, model: nn.Module, optimizers: Optimizers,
          extra: dict[str, Any] | None = None) -> torch.Tensor | None:
-    """Load a checkpoint folder into any layout (every rank); returns the saved random states
-    when they fit this world (same number of ranks), else None. `extra`: more state the folder
-    holds (e.g. the EMA), loaded in place."""
+    """Load a checkpoint folder into any layout (every rank), and `extra` state (the EMA) in place;
+    returns the saved random states if the world size is the same, else None."""
     meta = json.loads((path / META).read_text())
     model_state, optimizer_state = get_state_dict(model, list(optimizers.values()))
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, **(extra or {})}
@@ -93,15 +91,13 @@ class ShardedCheckpoints:
         self._pending: Future | None = None
         self.saved: AnyPath | None = None  # the newest complete checkpoint, on every rank
         self._in_flight: AnyPath | None = None
-        self._group: Any = None
-        self._stager: Any = None
+        self._group = self._stager = None  # made by the first background save
 
     def save(self, model: nn.Module, optimizers: Optimizers, rng: torch.Tensor,
              meta: dict[str, Any], step: int, prepare: Callable[[], None],
              extra: dict[str, Any] | None = None) -> None:
         final = checkpoint_path(self.directory, step, sharded=True)
-        remote = isinstance(final, RemotePath)
-        tmp = final if remote else final.with_name(f".{final.name}.tmp")
+        tmp = final if isinstance(final, RemotePath) else final.with_name(f".{final.name}.tmp")
         meta = {**meta, "rng_shape": list(rng.shape)}
         self.wait()  # at most one save in flight
         agree(prepare, self.comm_device)
@@ -145,7 +141,6 @@ class ShardedCheckpoints:
             self.saved = self._in_flight
 
     def _failure(self, exc: BaseException) -> str:
-        """Why a save failed and what to do, for the error line."""
         if isinstance(self.directory, RemotePath):  # the storage client's retries are spent
             return f"({storage.reason(exc)}); {newest_complete(self.saved)}; {AGAIN}"
         return (f"({str(exc).strip().splitlines()[0]}); free space or choose another "
@@ -160,19 +155,16 @@ class ShardedCheckpoints:
 
 
 def _reusable_stager(device: torch.device) -> Any:
-    """A stager that keeps its CPU copy of the state from one save to the next.
-
-    By default `async_save` copies the state into newly allocated CPU memory at every save, on
-    the training thread: about 2 s for 2.7 GB from an H100, most of the stall. This one allocates
-    once (pinned on a GPU) and only copies afterwards. Safe because the next save first waits for
-    the previous one, which still reads the copy. None where torch has no such stager (< 2.9)."""
+    """A stager that keeps its CPU copy of the state from one save to the next (None before torch
+    2.9). `async_save` otherwise allocates CPU memory for the copy at every save, on the training
+    thread: about 2 s for 2.7 GB from an H100, most of the stall. Safe: the next save first waits
+    for the previous one, which still reads the copy."""
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:
         return None
     if "async_stager" not in inspect.signature(dcp.async_save).parameters:
         return None
-
     gpu = device.type == "cuda"
     return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
                                         use_async_staging=False, use_non_blocking_copy=gpu))

@@ -182,15 +182,14 @@ def remove(path: AnyPath) -> None:
 
 def move(source: AnyPath, target: AnyPath) -> None:
     """Rename locally; copy then delete in an object store (the source stays until copied)."""
-    if isinstance(source, RemotePath):
-        if not source.is_dir():
-            source.fs.mv(source.key, target.key)
-            return
+    if not isinstance(source, RemotePath):
+        os.replace(source, target)
+    elif not source.is_dir():
+        source.fs.mv(source.key, target.key)
+    else:
         for key in source.fs.find(source.key):  # object by object: a folder is only a prefix
             source.fs.copy(key, f"{target.key}{key[len(source.key):]}")
         source.fs.rm(source.key, recursive=True)
-    else:
-        os.replace(source, target)
 
 
 def upload(local: Path, target: RemotePath, newest: str, timeout_s: float) -> None:

@@ -1,26 +1,21 @@
 """The backstop: a small watchdog process beside every training process, for when Python cannot act.
 
-The lifeline (lifeline.py) is a Python thread and needs the interpreter lock: a C call that holds it
-(a FileStore spinning on a garbage file, a stuck extension) or a main thread that never comes back
-from C++ silences it, and then neither deadlines nor SIGTERM work. So each training process starts
-this file as a plain Python process (no torch, a few MB) that:
+The lifeline (lifeline.py) is a Python thread: a C call that holds the interpreter lock (a FileStore
+spinning on a garbage file, a stuck extension) or a main thread that never comes back from C++
+silences it, and then neither deadlines nor SIGTERM work. So each training process starts this file
+as a plain Python process (`-I -S`, standard library only, a few MB) that:
 
-- receives every stop signal first: the training process's C-level signal handler writes its number
-  to a socket (`signal.set_wakeup_fd`), which needs no interpreter lock. The watchdog passes it back
-  to the lifeline thread and, for SIGTERM and SIGINT, starts the clock that ends the process:
-  STOP_GRACE_S if it is starting, STOP_SAVE_S if training (to reach its next log step and save),
-  half a second after a second such signal. (SLURM's SIGUSR1 only warns: no clock.)
-- keeps a copy of the lifeline's deadline, a few seconds later than the lifeline's own. If it
-  passes, it prints one `error:` line naming the phase, has the process write its threads' stacks
-  (faulthandler, which needs no interpreter lock either) into the output folder, and SIGKILLs it.
-- watches the launcher (torchrun's agent, the mp.spawn parent, srun's step daemon): a process whose
-  launcher is gone is stopped as if by SIGTERM.
-- ends itself when the training process ends (its end of the command pipe closes).
+- gets every stop signal first (the C-level handler writes it to a socket, `signal.set_wakeup_fd`,
+  without the lock), passes it back to the lifeline and, for SIGTERM and SIGINT, starts the clock
+  that ends the process: STOP_GRACE_S if starting, STOP_SAVE_S if training (to reach its next log
+  step and save), half a second after a second such signal. (SLURM's SIGUSR1 only warns.)
+- keeps the lifeline's deadline, MARGIN_S later: past it, it prints one `error:` line naming the
+  phase, has faulthandler (lock-free too) write the process's stacks to a file, and SIGKILLs it.
+- stops a process whose launcher (torchrun's agent, the mp.spawn parent, srun's step daemon) is
+  gone, as if by SIGTERM; and ends itself when the training process ends (its command pipe closes).
 
 Both may decide to end the process at once (a signal can wake a stuck call): the one that first
-takes the single byte of a shared pipe prints the `error:` line, so the user sees one.
-
-The watchdog runs only this file's standard-library imports: it is started by path, with `-I -S`."""
+takes the single byte of a shared pipe prints the `error:` line, so the user sees one."""
 
 from __future__ import annotations
 
@@ -107,7 +102,6 @@ class Backstop:
         self._proc = None
 
 
-# ---------------------------------------------------------------------- the watchdog process
 def _say(text: str) -> None:
     os.write(2, (text + "\n").encode())
 
@@ -134,10 +128,8 @@ def _launcher_gone(worker: int, launcher: int) -> bool:
         return parent != launcher
     try:
         os.kill(launcher, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        pass
+    except OSError as exc:  # only "no such process" says it is gone
+        return isinstance(exc, ProcessLookupError)
     return False
 
 
@@ -149,9 +141,8 @@ class Watchdog:
         self.stacks_path, self.phase, self.hint = stacks_path, "start-up", "nothing was saved"
         self.deadline: tuple[float, str, str] | None = None  # (when, phase, what)
         self.stop: tuple[float, str] | None = None  # (when the first stop signal came, its name)
-        self.kill_at = float("inf")
         self.second: str | None = None  # the name of a second stop signal
-        self._buffer = b""
+        self.kill_at, self._buffer = float("inf"), b""
 
     def run(self) -> None:
         while True:
@@ -219,11 +210,10 @@ class Watchdog:
                  "this process, as if by SIGTERM")
             self._on_signal(signal.SIGTERM)
 
-    def _end(self, line: str, stacks: bool = True) -> None:
+    def _end(self, line: str) -> None:
         if _take(self.token):
             _say(line)
-            if stacks:
-                self._write_stacks()
+            self._write_stacks()
         else:  # the lifeline thread is ending the process: give it a moment
             select.select([self.commands], [], [], 2.0)
         with suppress(OSError):

@@ -1,7 +1,6 @@
 """--comm-hook: how DDP exchanges gradients. `none` is DDP's own all-reduce in the gradients' dtype;
-`fp16` and `bf16` halve the bytes sent (the gradients are cast, summed, and cast back); `powersgd`
-sends a low-rank approximation of each weight matrix's gradient (PowerSGD, with error feedback)
-after --powersgd-warmup-steps steps of plain all-reduce.
+`fp16` and `bf16` halve the bytes sent (cast, summed, cast back); `powersgd` sends a low-rank
+approximation of each matrix's gradient (with error feedback) after --powersgd-warmup-steps steps.
 
 PowerSGD's state (each rank's error feedback, the shared low-rank factors) goes into every
 checkpoint: a resumed run continues bit for bit. Torch keys it by DDP's bucket, and a new DDP's
@@ -34,8 +33,7 @@ def bf16_compress(process_group: Any, bucket):
 
 
 def register_comm_hook(model: nn.Module, cfg: Config) -> PowerSGD | None:
-    """Register --comm-hook on the DDP inside `model`; returns the hook whose state goes into
-    checkpoints (PowerSGD), else None. Does nothing for fsdp (no DDP there)."""
+    """Register --comm-hook on the DDP in `model` (none in fsdp); the PowerSGD hook, else None."""
     ddp = getattr(model, "_orig_mod", model)  # inside torch.compile
     if cfg.comm_hook == "none" or not isinstance(ddp, DDP):
         return None
@@ -83,8 +81,7 @@ class PowerSGD:
         future = None
         if self._steps_checked < self.CHECK_STEPS:
             params = tuple(self.index[id(p)] for p in bucket.parameters())
-            saved = self._saved_buckets_in(params) if self._steps_checked == 0 else []
-            if saved:
+            if self._steps_checked == 0 and (saved := self._saved_buckets_in(params)):
                 future = self._as_saved_buckets(saved, params, bucket)
             else:
                 self._fit_state_to(bucket.index(), params, bucket.buffer())
@@ -96,7 +93,6 @@ class PowerSGD:
             self._previous = future
         return future
 
-    # ------------------------------------------------------------ per bucket <-> per parameter
     def _fit_state_to(self, key: int, params: tuple[int, ...], buffer: torch.Tensor) -> None:
         """Give bucket `key` the state of its `params` (DDP rebucketed, or a checkpoint loaded)."""
         if self.layout.get(key) == params:
@@ -182,7 +178,6 @@ class PowerSGD:
         for i in params:
             del self.pending[i]
 
-    # ------------------------------------------------------------ checkpoints
     def state_dict(self, comm_device: torch.device) -> dict[str, Any] | None:
         """Every rank's state on rank 0 (a collective), as tensors and plain types; None elsewhere.
         Error feedback is per rank: a checkpoint holds world size x the gradients."""
@@ -232,8 +227,7 @@ class PowerSGD:
 
 
 class SavedBucket:
-    """What PowerSGD reads of a DDP bucket, for a bucket of an earlier DDP: its index, and its
-    gradients in a flat buffer of their own, in that bucket's order."""
+    """A bucket of an earlier DDP, as PowerSGD reads it: its index, its gradients in one buffer."""
 
     def __init__(self, index: int, count: int, grads: list[torch.Tensor]) -> None:
         self._index, self._count = index, count

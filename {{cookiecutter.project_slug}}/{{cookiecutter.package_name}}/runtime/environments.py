@@ -101,20 +101,17 @@ class TorchrunEnvironment:
         # A fixed torchrun --rdzv-id repeats across launches; the restart count and the port do not.
         run_id = "-".join(env.get(name, "0") for name in
                           ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT"))
-        return World(rank=rank, local_rank=local_rank, world_size=world_size,
-                     local_world_size=local_world_size,
-                     launcher="launch" if local_rank_flag is not None else "torchrun",
-                     master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-                     master_port=_int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
-                     run_id=run_id)
+        return World(rank, local_rank, world_size, local_world_size,
+                     "launch" if local_rank_flag is not None else "torchrun",
+                     env.get("MASTER_ADDR", "127.0.0.1"),
+                     _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else None, run_id)
 
 
 class KubeflowEnvironment:
-    """A Kubeflow PyTorchJob pod running `python train.py` itself (no torchrun in the pod). The
-    operator sets MASTER_ADDR, MASTER_PORT, WORLD_SIZE (pods) and RANK (this pod) but no
-    LOCAL_RANK: each pod is one process. With torchrun in the pod
-    {%- if cookiecutter.kubernetes %} (what k8s/ does){% endif %}, torchrun's own
-    variables are set and TorchrunEnvironment applies instead."""
+    """A Kubeflow PyTorchJob pod running `python train.py` itself (no torchrun in the pod): the
+    operator sets MASTER_ADDR, MASTER_PORT, WORLD_SIZE (pods) and RANK (this pod), no LOCAL_RANK.
+    With torchrun in the pod
+    {%- if cookiecutter.kubernetes %} (what k8s/ does){% endif %}, TorchrunEnvironment applies."""
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
@@ -157,9 +154,8 @@ def expand_tasks_per_node(text: str) -> list[int]:
 
 
 class SlurmEnvironment:
-    """`srun python train.py`: one task per device, ranks from SLURM's variables. Counts come from
-    the job *step* (SLURM_STEP_*) where srun sets them, so a step started on fewer nodes than the
-    allocation (`srun -N1 ...` inside a 5-node job) is its own world."""
+    """`srun python train.py`, one task per device. Counts come from the job *step* (SLURM_STEP_*)
+    where srun sets them: `srun -N1 ...` inside a 5-node job is a world of its own."""
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
@@ -182,11 +178,10 @@ class SlurmEnvironment:
         job_id = env.get("SLURM_JOB_ID", "0")
         # A port derived from the job id: two jobs sharing a node do not pick the same one.
         port = _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else 15000 + int(job_id) % 20000
-        world = World(rank=rank, local_rank=local_rank, world_size=world_size,
-                      local_world_size=local_world_size, launcher="slurm",
-                      master_addr=env.get("MASTER_ADDR") or expand_nodelist(nodelist)[0],
-                      master_port=port, run_id=f"slurm-{job_id}.{env.get('SLURM_STEP_ID', '0')}-"
-                                               f"{env.get('SLURM_RESTART_COUNT', '0')}")
+        world = World(rank, local_rank, world_size, local_world_size, "slurm",
+                      env.get("MASTER_ADDR") or expand_nodelist(nodelist)[0], port,
+                      f"slurm-{job_id}.{env.get('SLURM_STEP_ID', '0')}-"
+                      f"{env.get('SLURM_RESTART_COUNT', '0')}")
         if not check:
             return world
         if world_size > 1 and not in_step:

@@ -18,30 +18,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .. import failures
 from ..config import Config
-from ..failures import (
-    QUIET_EXIT_DELAY_S,
-    LostContact,
-    PeerErrors,
-    ProjectError,
-    RunFailure,
-    UsageError,
-    is_communication_failure,
-    kind_name,
-    report_error,
-)
+from ..failures import LostContact, ProjectError, RunFailure, UsageError, kind_name, report_error
+from . import rendezvous
 from .environments import World, find_free_port, resolve_world
 from .lifeline import STOP_SIGNALS, Lifeline, keep_torch_messages_in
 from .nccl import flight_recorder_hint, nccl_env, startup_timeout_s
 from .network import Route, route_to, socket_interface_env
-from .rendezvous import (
-    Rendezvous,
-    assign_devices,
-    cleanup,
-    ddp_setup,
-    resolve_backend,
-    resolve_rendezvous,
-)
+from .rendezvous import Rendezvous, assign_devices, cleanup, ddp_setup, resolve_rendezvous
 from .workarounds import exit_process, stop_agent_if_store_lost, stop_stuck_agent
 from .workers import worker_context
 
@@ -85,7 +70,7 @@ def resolve(cfg: Config, world: World) -> Setup:
     """Backend, devices and rendezvous from the flags, and the variables the process group reads
     when it starts (NCCL's settings, the network interface) set; no process group yet."""
     cuda_count = torch.cuda.device_count()
-    backend = resolve_backend(cfg.backend, cuda_count, dist.is_nccl_available())
+    backend = rendezvous.resolve_backend(cfg.backend, cuda_count, dist.is_nccl_available())
     devices = assign_devices(world.local_rank, world.local_world_size, cuda_count, cfg.model_layout,
                              cfg.stage_devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     rdzv = resolve_rendezvous(cfg.init_method, world, rendezvous_dir(cfg))
@@ -101,9 +86,8 @@ def resolve(cfg: Config, world: World) -> Setup:
 @contextmanager
 def joined(cfg: Config, world: World, setup: Setup | None = None,
            workers: bool = False) -> Iterator[Setup]:
-    """This process in its process group for the `with` block, and out of it again afterwards,
-    even on errors. The lifeline (deadlines, signals) starts first; `setup` is resolved here
-    unless given; `workers`: the data workers' server starts its imports now."""
+    """This process in its group for the `with` block, and out of it after, even on errors. The
+    lifeline (deadlines, signals) starts first; `workers`: the data workers' server starts now."""
     lifeline = Lifeline(world.rank, cfg.timeout_s, cfg.output_dir,  # signals count from here on
                         launcher_pid(world)).start()
     if agent := torchrun_agent_of_a_multinode_job(world):  # a deadline may end this process
@@ -138,9 +122,9 @@ def run(cfg: Config, world: World, work: Work) -> dict:
     for the others to read; one it learned of through a collective is explained from theirs."""
     with joined(cfg, world, workers=cfg.num_workers > 0) as setup:
         route, lifeline = setup.route, setup.lifeline
-        peers = PeerErrors(setup.store, world.rank, world.world_size,
-                           route.address if route and not route.loopback else "",
-                           f" at {setup.rdzv.address}" if setup.rdzv.port else "")
+        peers = failures.PeerErrors(setup.store, world.rank, world.world_size,
+                                    route.address if route and not route.loopback else "",
+                                    f" at {setup.rdzv.address}" if setup.rdzv.port else "")
         peers.announce()
         try:
             return work(cfg, world, setup.backend, setup.devices, lifeline)
@@ -149,7 +133,7 @@ def run(cfg: Config, world: World, work: Work) -> dict:
                 peers.record(str(exc), kind_name(exc))  # this rank's own: tell the others why
             raise
         except Exception as exc:
-            if world.world_size > 1 and is_communication_failure(exc):
+            if world.world_size > 1 and failures.is_communication_failure(exc):
                 with lifeline.waiting("the job's store, to learn why the others stopped",
                                       "see the other ranks' output", phase="error reporting"):
                     error = peers.explain(exc, cfg.timeout_s)
@@ -163,9 +147,8 @@ def run(cfg: Config, world: World, work: Work) -> dict:
 
 
 def run_and_report(cfg: Config, world: World, work: Work) -> int:
-    """`run`, with every failure turned into an exit code (the process then ends through
-    `exit_process`). A run stopped by a signal saved a checkpoint and ends with 128 + the
-    signal's number (130 for Ctrl-C, 143 for SIGTERM), so `train && next` does not go on."""
+    """`run`'s exit code (1 for a failure). A run stopped by a signal saved a checkpoint and exits
+    with 128 + its number (130 for Ctrl-C, 143 for SIGTERM), so `train && next` does not go on."""
     try:
         result = run(cfg, world, work)
     except ProjectError as exc:
@@ -242,7 +225,7 @@ def _wait_for_workers(processes: list, stop: list[int]) -> int:
             if code == 0 or (stop and code - 128 in STOP_SIGNALS):  # stopped and saved
                 continue
             if code == 1:  # it printed its error; the others may be about to print theirs
-                mp_connection.wait(list(waiting), timeout=QUIET_EXIT_DELAY_S * 3)
+                mp_connection.wait(list(waiting), timeout=failures.QUIET_EXIT_DELAY_S * 3)
             for process in processes:
                 if process.is_alive():
                     process.terminate()

@@ -10,10 +10,9 @@ Python's signal handlers and of timeouts of its own. One watcher thread per proc
   start-up there is nothing to save, so the process ends at once, saying so; in training the loop
   stops at its next log step, where the ranks agree, save and exit. A second Ctrl-C ends it at once.
 
-The thread needs the interpreter lock: when a C call holds it, the backstop (backstop.py), a
-watchdog process that gets every signal and deadline too, ends the process instead. The terminal is
-kept for these lines and the process's own (`keep_torch_messages_in`): torch's C++ messages go to a
-log file."""
+The thread needs the interpreter lock: when a C call holds it, the backstop (backstop.py) ends the
+process instead. torch's C++ messages go to a log file (`keep_torch_messages_in`): the terminal is
+kept for these lines and the process's own."""
 
 from __future__ import annotations
 
@@ -33,14 +32,9 @@ from .backstop import MARGIN_S, SAME_EVENT_S, Backstop
 _terminal_fd = 2  # where this process's own lines go (see keep_torch_messages_in)
 
 
-def terminal_fd() -> int:
-    return _terminal_fd
-
-
 def keep_torch_messages_in(path: Path) -> None:
-    """Send what torch's C++ code writes to stderr to `path` (an unreachable store retries with 30
-    lines of C++ stack frames each time; sockets warn about host names); Python's sys.stderr keeps
-    the terminal. Skipped if TORCH_CPP_LOG_LEVEL is set: whoever sets it wants to read them."""
+    """torch's C++ messages on stderr go to `path` (an unreachable store retries with 30 lines of
+    stack frames each time); sys.stderr keeps the terminal. Not if TORCH_CPP_LOG_LEVEL is set."""
     global _terminal_fd
     if "TORCH_CPP_LOG_LEVEL" in os.environ or _terminal_fd != 2:
         return
@@ -64,7 +58,7 @@ ENDING = (signal.SIGTERM, signal.SIGINT)  # a second one ends it at once (SIGUSR
 
 
 def _say(text: str) -> None:
-    os.write(terminal_fd(), (text.rstrip("\n") + "\n").encode())
+    os.write(_terminal_fd, (text.rstrip("\n") + "\n").encode())
 
 
 class Lifeline:
@@ -105,7 +99,6 @@ class Lifeline:
         if self._backstop:
             self._backstop.tell("hint", value)
 
-    # ------------------------------------------------------------------ main thread
     def start(self) -> Lifeline:
         """Install the signal handlers (main thread only), start the backstop and watching."""
         self._writer.setblocking(False)
@@ -142,7 +135,8 @@ class Lifeline:
         deadline = time.monotonic() + timeout_s + 2.0 + 0.1 * timeout_s
         with self._lock:
             self._wait = (deadline, what, hint, timeout_s)
-        self._poke()
+        with suppress(BlockingIOError):  # wakes the watcher thread
+            self._writer.send(b"\0")
         if self._backstop:
             self._backstop.tell("arm", deadline + MARGIN_S, phase.replace(" ", "_"), what)
         try:
@@ -153,11 +147,6 @@ class Lifeline:
             if self._backstop:
                 self._backstop.tell("disarm")
 
-    def _poke(self) -> None:
-        with suppress(BlockingIOError):
-            self._writer.send(b"\0")
-
-    # ------------------------------------------------------------------ watcher thread
     def _watch(self) -> None:
         sources = [self._reader] + ([self._backstop.signals] if self._backstop else [])
         while self._phase != "closed":
@@ -172,9 +161,8 @@ class Lifeline:
                             self._on_signal(signum)
                 continue
             with self._lock:
-                expired = self._wait is not None and self._wait[0] <= time.monotonic()
                 wait = self._wait
-            if expired and wait is not None:
+            if wait is not None and wait[0] <= time.monotonic():
                 _, what, hint, timeout_s = wait
                 self._end(f"error: rank {self.rank}: waited {timeout_s:g} s (--timeout-s) for "
                           f"{what}; {hint}", 1)

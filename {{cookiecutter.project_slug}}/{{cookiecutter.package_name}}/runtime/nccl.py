@@ -1,7 +1,6 @@
-"""NCCL settings: fail fast instead of hanging, and leave a record of what every rank was doing.
-
-Each setting is an environment variable PyTorch reads when the process group starts; one you set
-yourself always wins (docs/recovery.md, "NCCL settings", says what each does)."""
+"""NCCL settings: fail fast instead of hanging, and leave a record of what every rank was doing:
+environment variables PyTorch reads when the process group starts; one you set yourself always wins
+(docs/recovery.md, "NCCL settings", says what each does)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Which network interface the ranks talk over.
 
-gloo and NCCL advertise to their peers the address their host name resolves to. Many machines
-resolve their own name to a loopback address (Debian and Ubuntu map it to 127.0.1.1), which no other
-machine can reach, and a multi-node job then fails at its first collective. The interface that works
-is the one the kernel uses to reach MASTER_ADDR (`ip route get ADDR` shows it):
-`socket_interface_env` picks it unless the user set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME.
+gloo and NCCL advertise to their peers the address their host name resolves to, often a loopback
+address (Debian and Ubuntu: 127.0.1.1) no other machine can reach: a multi-node job then fails at
+its first collective. `socket_interface_env` picks the interface the kernel uses to reach
+MASTER_ADDR (`ip route get ADDR`) unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME is set.
 
 `python -m <package>.runtime.network HOST` prints `INTERFACE ADDRESS IS_LOCAL` for the multi-node
 script. No torch import here: the script calls it before torchrun starts."""
@@ -40,8 +39,7 @@ def _addresses(interface: str) -> set[str]:
             found.add(socket.inet_ntoa(fcntl.ioctl(probe.fileno(), 0x8915, request)[20:24]))
     with suppress(OSError):
         for line in Path("/proc/net/if_inet6").read_text().splitlines():
-            fields = line.split()
-            if fields[-1] == interface:
+            if (fields := line.split())[-1] == interface:
                 found.add(str(ipaddress.IPv6Address(bytes.fromhex(fields[0]))))
     return found
 
@@ -74,10 +72,8 @@ def is_local(address: str) -> bool:
 
 def socket_interface_env(backend: str, route: Route | None, master_addr: str,
                          env: Mapping[str, str]) -> tuple[dict[str, str], str]:
-    """The variables to set (none when the user set them, on one machine, or without a route)
-    and a description for the start-up line."""
-    name = VARIABLES.get(backend)
-    if name is None or route is None:
+    """The variables to set (none if set already, on one machine, or without a route), a note."""
+    if (name := VARIABLES.get(backend)) is None or route is None:
         return {}, ""
     if env.get(name):
         return {}, f"{env[name]} ({name}, set by you)"

@@ -12,15 +12,12 @@ import torch
 class DevicePrefetcher:
     """A loader's batches on a GPU, each copied there on a stream of its own.
 
-    The copy is from pinned memory (DataLoader's pin thread pins with `--num-workers`; batches
-    made in this process are pinned here) and does not block the host, which runs ahead of the
-    GPU: it overlaps the kernels still queued for the step before. The step's stream waits for
-    the copy's event before it uses the batch, and `record_stream` tells the allocator the step
-    uses that memory, so it is not handed out again while the step runs. DataLoader workers
-    make batches ahead anyway (each seeded by its batch), so their next batch's copy starts
-    before this one is handed out; batches made in this process are not made ahead: their
-    random draws (augmentation) come from the training process's random state, which a
-    checkpoint saves, and must happen in step order for an exact resume."""
+    The copy is from pinned memory (DataLoader's pin thread pins with `--num-workers`, else it is
+    pinned here) and overlaps the kernels still queued for the step before. The step's stream
+    waits for the copy's event, and `record_stream` keeps the allocator from handing the memory
+    out again while the step runs. With workers (`ahead`), the next batch's copy starts before
+    this one is handed out; batches made in this process are not made ahead: their random draws
+    come from the training process's random state, which a checkpoint saves, in step order."""
 
     def __init__(self, loader: Any, device: torch.device, ahead: bool) -> None:
         self.loader, self.device, self.ahead = loader, device, ahead

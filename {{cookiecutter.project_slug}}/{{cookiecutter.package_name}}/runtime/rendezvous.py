@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path, PureWindowsPath
@@ -15,11 +16,6 @@ from urllib.parse import unquote, urlparse
 
 import torch
 import torch.distributed as dist
-
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
 
 from ..failures import ProjectError, RunFailure, UsageError
 from .environments import World
@@ -50,9 +46,8 @@ def resolve_backend(requested: str, cuda_count: int, nccl_available: bool,
 def assign_devices(local_rank: int, local_world_size: int, cuda_count: int,
                    layout: str = "data_parallel", stage_devices: list[str] | None = None,
                    visible_devices: str | None = None) -> list[torch.device]:
-    """The devices of one process: two (first and last stage) for model_parallel_2, else one. Pure
-    (device count and CUDA_VISIBLE_DEVICES passed in), testable without GPUs. A process given only
-    its own devices (CUDA_VISIBLE_DEVICES per task, as SLURM's `--gpus-per-task`) counts from 0."""
+    """The devices of one process: two (first and last stage) for model_parallel_2, else one. One
+    given only its own (SLURM's --gpus-per-task: CUDA_VISIBLE_DEVICES per task) counts from 0."""
     if stage_devices:
         if layout != "model_parallel_2":
             raise UsageError("--stage-devices only applies to --model-layout model_parallel_2",
@@ -114,8 +109,7 @@ def resolve_rendezvous(method: str, world: World, rendezvous_dir: Path,
     platform = platform or sys.platform
     if method == "env" and platform == "win32" and world.launcher in ("none", "spawn"):
         method = "file"  # no TCP store to start on Windows: a file next to the run is reliable
-    scheme = method.split("://", 1)[0] if "://" in method else None
-    if scheme not in (None, "env", "tcp", "file"):
+    if "://" in method and method.split("://", 1)[0] not in ("env", "tcp", "file"):
         raise UsageError(f"--init-method {method!r} is not one of {INIT_METHODS}", everywhere=True)
     under_torchrun = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if method in ("env", "env://", "tcp"):
@@ -127,18 +121,14 @@ def resolve_rendezvous(method: str, world: World, rendezvous_dir: Path,
         return Rendezvous(kind, world.master_addr, world.master_port)
     if method.startswith("tcp://"):
         url = urlparse(method)
-        try:
-            port = url.port
-        except ValueError:
-            port = None
-        if not url.hostname or port is None:
-            raise UsageError(f"--init-method {method}: expected tcp://HOST:PORT", everywhere=True)
-        return Rendezvous("tcp", url.hostname, port)
+        with suppress(ValueError):  # a port that is no number, or out of range
+            if url.hostname and url.port is not None:
+                return Rendezvous("tcp", url.hostname, url.port)
+        raise UsageError(f"--init-method {method}: expected tcp://HOST:PORT", everywhere=True)
     if method == "file":
         path = rendezvous_dir / f"store-{world.run_id}"  # a new file for every launch
     elif method.startswith("file://"):
-        host = method[len("file://"):].split("/", 1)[0]
-        if host not in ("", "localhost"):
+        if (host := method[len("file://"):].split("/", 1)[0]) not in ("", "localhost"):
             raise UsageError(f"--init-method {method}: '{host}' would be read as a host name; use "
                              "three slashes (file:///abs/path) or pass a plain path",
                              everywhere=True)
@@ -148,8 +138,7 @@ def resolve_rendezvous(method: str, world: World, rendezvous_dir: Path,
         path = Path(method)
     else:
         raise UsageError(f"--init-method {method!r} is not one of {INIT_METHODS}", everywhere=True)
-    path = path.resolve()
-    if path.is_dir():
+    if (path := path.resolve()).is_dir():
         raise UsageError(f"--init-method {method}: {path} is a folder; name a file inside it",
                          everywhere=True)
     try:
@@ -187,7 +176,8 @@ def store_file_problem(data: bytes) -> str | None:
 def _read_shared(path: Path) -> bytes:
     """The file's bytes, read under the lock FileStore writers take (no half-written record)."""
     with open(path, "rb") as file:
-        if fcntl is not None:  # Windows has no flock
+        if os.name != "nt":  # Windows has no flock
+            import fcntl
             for _ in range(50):  # a writer holds it for microseconds: give up after ~1 s
                 try:
                     fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -246,9 +236,8 @@ def _hint(rdzv: Rendezvous, world: World) -> str:
 
 def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
               devices: list[torch.device], lifeline: Lifeline) -> dist.Store:
-    """Set the device, then join the process group; returns the job's key-value store. All of it
-    waits for the other ranks, under one --timeout-s deadline: a rank that never meets its peers
-    ends with an `error:` line instead of hanging."""
+    """Set the device and join the process group, under one --timeout-s deadline (a rank that never
+    meets its peers ends with an `error:` line, not a hang); returns the job's key-value store."""
     for name, value in windows_env(sys.platform, torch.__version__).items():
         os.environ.setdefault(name, value)
     if devices[0].type == "cuda":

@@ -1,9 +1,8 @@
 """Where metrics go (rank 0 only): `MetricsWriter` writes metrics.jsonl, summary.json and
-config.json, and logs to an experiment tracker: TensorBoard, Weights & Biases or MLflow.
-
-Each is a small class with `log(record)` and `close()`, and `run_id` where the tracker has runs: it
-is saved in every checkpoint, so a resumed run continues the same tracker run. The package of each
-tracker is imported only when it is chosen; a missing one is one `error:` line."""
+config.json, and logs to an experiment tracker (TensorBoard, Weights & Biases or MLflow): a small
+class with `log(record)` and `close()`, and `run_id` where the tracker has runs, saved in every
+checkpoint so that a resumed run continues the same tracker run. A tracker's package is imported
+only when it is chosen; a missing one is one `error:` line."""
 
 from __future__ import annotations
 
@@ -104,8 +103,7 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """Weights & Biases. Offline (WANDB_MODE=offline) it writes the run under
-    <output-dir>/wandb/ for `wandb sync`; a resumed run logs under the same run id."""
+    """Weights & Biases; with WANDB_MODE=offline, under <output-dir>/wandb/ for `wandb sync`."""
 
     def __init__(self, output_dir: Path, config: dict[str, Any], run_id: str | None) -> None:
         self.wandb = wandb = _import("wandb", "wandb", "wandb")

@@ -13,21 +13,18 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-# Stop signals a launcher may send to every process of the job: torchrun and `docker stop` signal
-# the whole process group, SLURM every process of the step. They are meant for the training
-# process, which then saves at its next log step: a data worker (or the forkserver that starts
-# them) ended by one would take the batches that step needs with it. Blocked, not ignored, so
-# the worker's stop signals wait in the kernel and SIGKILL still ends it.
+# Stop signals a launcher sends to every process of the job (torchrun and `docker stop` to the
+# process group, SLURM to each process of the step) are meant for the training process, which saves
+# at its next log step: a data worker, or the forkserver that starts them, ended by one would take
+# the batches that step needs with it. Blocked, not ignored: they wait in the kernel; SIGKILL works.
 WORKER_BLOCKED = {getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)}
 
 
 def worker_loader(fetcher: Any, batches: Any, num_workers: int, pin_memory: bool) -> DataLoader:
-    """`fetcher`'s batches (one per item of `batches`, a batch sampler) made by `num_workers`
-    worker processes, which stay up from one epoch to the next."""
+    """`fetcher`'s batches, one per item of `batches`, by `num_workers` persistent processes."""
     # A generator of its own: DataLoader draws its workers' base seed from it whenever an iterator
-    # starts, and from the global one without it. A resumed run starts its iterator at another
-    # step than the run it continues, so dropout (global RNG) would then differ from there on.
-    # Workers are seeded per batch (data.py's BatchFetcher), so this seed changes nothing they draw.
+    # starts, else from the global RNG, which dropout would then see differ in a resumed run (its
+    # iterator starts at another step). Workers are seeded per batch (data.py), not by this seed.
     return DataLoader(fetcher, batch_sampler=batches, collate_fn=_as_is,
                       num_workers=num_workers, pin_memory=pin_memory, persistent_workers=True,
                       worker_init_fn=worker_init, multiprocessing_context=worker_context(),
@@ -45,10 +42,9 @@ def worker_init(worker_id: int) -> None:
     if hasattr(signal, "pthread_sigmask"):  # not on Windows, where nothing signals a group
         signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_BLOCKED)
     # A forkserver child inherits the write end of the pipe by which the forkserver learns that
-    # the training process is gone. Holding it, the workers kept the forkserver alive after a
-    # SIGKILL of the training process, and the forkserver (their parent) kept them alive:
-    # leftover processes that held the job's stdout open forever. Without it the forkserver
-    # exits with the training process and the workers notice their parent is gone.
+    # the training process is gone: holding it, the workers and the forkserver (their parent) kept
+    # each other alive after a SIGKILL of the training process, holding the job's stdout open
+    # forever. Closed, the forkserver exits with the training process, and the workers follow.
     server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
     if getattr(server, "_forkserver_alive_fd", None) is not None:
         os.close(server._forkserver_alive_fd)
@@ -58,15 +54,12 @@ def worker_init(worker_id: int) -> None:
 def worker_context() -> Any:
     """The forkserver start method (None on Windows, which spawns), its server started now.
 
-    Workers start from a forkserver, not by forking the training process: its gloo and NCCL
-    threads can hold a lock of the interpreter at the moment of a fork, and the forked worker
-    then waits for it forever (a training run that hangs at its first batch, now and then). So
-    the data set and `collate` must be picklable (as with the spawn start method on macOS and
-    Windows), and a script that starts training needs `if __name__ == "__main__":`.
-
-    The server imports torch once and forks each worker from that; started at launch, its
-    import (1-2 s) runs while this process joins its peers and builds the data and the model,
-    instead of holding up the first batch."""
+    Not a fork of the training process: its gloo and NCCL threads can hold an interpreter lock at
+    the moment of a fork, and the worker then waits for it forever (a run that hangs at its first
+    batch, now and then). So the data set and `collate` must be picklable (as with spawn on macOS
+    and Windows), and a script that starts training needs `if __name__ == "__main__":`. Started
+    at launch, the server's import of torch (1-2 s) overlaps joining the peers and building the
+    data and the model, instead of holding up the first batch."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return None
     multiprocessing.set_forkserver_preload(["torch"])  # workers start with torch imported

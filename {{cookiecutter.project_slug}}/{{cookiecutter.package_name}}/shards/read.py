@@ -1,16 +1,15 @@
 """Reading a shard set: what `--data` trains on when it names one (shards/__init__.py).
 
 `ShardSet` is a map-style Dataset of one part of the set: training, or validation (the last
---val-fraction of each shard's samples). A local set is read in place. A set at a URL is read
-through a cache folder on this machine (--shard-cache): a shard is downloaded whole the first time
-one of its samples is asked for, by any rank or data worker of the machine, and the least recently
-used shards go when the cache would pass --shard-cache-gb. Training starts after the first window's
-shards, not the whole set.
+--val-fraction of each shard's samples). A local set is read in place; one at a URL through a cache
+folder on this machine (--shard-cache): a shard is downloaded whole when any rank or data worker of
+the machine first asks for one of its samples, and the least recently used go when the cache would
+pass --shard-cache-gb. Training starts after the first window's shards, not the whole set.
 
-`epoch_order` is the order of an epoch: the shards shuffled, then the samples of each window of
---shuffle-window shards shuffled together; a pure function of the seed and the epoch. The sampler
-deals global batch k to the ranks as the same samples at any world size, so a run resumed at another
-number of processes with the same global batch trains each sample of the epoch once."""
+`epoch_order`: the shards shuffled, then the samples of each window of --shuffle-window shards
+shuffled together, a pure function of the seed and the epoch. The sampler deals global batch k as
+the same samples at any world size: a run resumed at another number of processes with the same
+global batch trains each sample of the epoch once."""
 
 from __future__ import annotations
 
@@ -108,9 +107,8 @@ class ShardSet(Dataset):
         name = self.index["shards"][shard]["name"]
         j = self.ranges[shard][0] + i - self.starts[shard]
         if not self.images:
-            size = 2 if self.index["dtype"] == "uint16" else 4
+            size, kind = (2, torch.uint16) if self.index["dtype"] == "uint16" else (4, torch.int32)
             ids = self._read(f"{name}.bin", j * self.seq_len * size, (self.seq_len + 1) * size)
-            kind = torch.uint16 if size == 2 else torch.int32
             return torch.frombuffer(bytearray(ids), dtype=kind).long()
         if name not in self._rows:  # offsets, lengths and labels: plain ints, read once
             rows = self._read(f"{name}.idx", 0, self.index["shards"][shard]["idx_bytes"])
@@ -124,8 +122,7 @@ class ShardSet(Dataset):
     def _read(self, file: str, offset: int, length: int) -> bytes:
         """`length` bytes at `offset` of a shard file, kept open (unbuffered: no read-ahead of
         what the next, random sample does not need; at most 64 files at once)."""
-        handle = self._files.get(file)
-        if handle is None:
+        if (handle := self._files.get(file)) is None:
             path = self.cache.get(file) if self.cache else self.root / file
             handle = self._files[file] = open(path, "rb", buffering=0)  # noqa: SIM115 (kept)
             if len(self._files) > 64:
@@ -170,8 +167,7 @@ class Cache:
     def __init__(self, root: storage.RemotePath, folder: str, gb: float,
                  index: dict[str, Any]) -> None:
         self.root, self.limit = root, int(gb * 2**30)
-        key = hashlib.sha256(root.url.encode()).hexdigest()[:12]
-        self.folder = Path(folder).expanduser() / key
+        self.folder = Path(folder).expanduser() / hashlib.sha256(root.url.encode()).hexdigest()[:12]
         self.sizes = {f"{s['name']}.{kind}": s[key] for s in index["shards"]
                       for kind, key in (("bin", "bytes"), ("idx", "idx_bytes")) if key in s}
         biggest = max(s["bytes"] + s.get("idx_bytes", 0) for s in index["shards"])
@@ -181,9 +177,7 @@ class Cache:
         self.folder.mkdir(parents=True, exist_ok=True)
 
     def get(self, file: str) -> Path:
-        """`file` in the cache, downloaded first if it is not there."""
-        path = self.folder / file
-        if path.exists():
+        if (path := self.folder / file).exists():
             os.utime(path)  # recently used
             return path
         self._make_room(self.sizes.get(file, 0))
@@ -203,7 +197,6 @@ class Cache:
         return path
 
     def _make_room(self, needed: int) -> None:
-        """Delete the least recently used files until `needed` more bytes fit."""
         files = []
         for path in self.folder.iterdir():
             with suppress(OSError):  # another process of this machine may delete it first

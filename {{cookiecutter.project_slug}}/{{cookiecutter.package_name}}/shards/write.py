@@ -1,10 +1,9 @@
 """Writing a shard set: `python -m {{ cookiecutter.package_name }}.shards SRC DEST`.
 
 SRC is an image folder (one sub-folder per class) or text (a file, or a folder of text files).
-Images are stored as their files' bytes, decoded when trained on; their order is shuffled once
-here, so each shard holds every class. Text is tokenized by a byte-level BPE: `--tokenizer FILE`
-(a tokenizer.json of Hugging Face `tokenizers`), or one trained here on SRC, offline. Each shard
-is written locally, then moved or uploaded whole; `index.json` goes last."""
+Images are stored as their files' bytes, shuffled once here: each shard holds every class. Text is
+tokenized by a byte-level BPE (`--tokenizer FILE`, a Hugging Face tokenizer.json, or one trained on
+SRC here, offline). Shards are written locally, then moved or uploaded whole; `index.json` last."""
 
 from __future__ import annotations
 
@@ -150,9 +149,8 @@ def write_tokens(files: list[Path], writer: Writer, tokenizer: Any, tmp: Path,
     tokenizer.save(str(tmp / TOKENIZER))
     content = (tmp / TOKENIZER).read_bytes()
     publish(content, writer.dest / TOKENIZER, tmp)
-    size = array(code).itemsize
     for shard in writer.shards:  # a shard's count is its tokens
-        shard["samples"] = shard["bytes"] // size
+        shard["samples"] = shard["bytes"] // array(code).itemsize
     return {"kind": "tokens", "dtype": "uint16" if code == "H" else "int32", "vocab_size": vocab,
             "tokenizer": hashlib.sha256(content).hexdigest()[:16]}
 
@@ -169,8 +167,7 @@ def prepare(source: str, dest: str, shard_mb: float, tokenizer: str | None = Non
             return index
     except OSError as exc:
         raise UsageError(f"{storage.redact(dest)}: {storage.diagnosis(dest, exc)}") from None
-    src = Path(source)
-    if not src.exists():
+    if not (src := Path(source)).exists():
         raise UsageError(f"{source}: no such file or folder")
     if not isinstance(target, storage.RemotePath):
         target.mkdir(parents=True, exist_ok=True)
