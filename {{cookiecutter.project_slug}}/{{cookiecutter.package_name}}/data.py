@@ -1,13 +1,11 @@
 """Batches from any map-style Dataset, sharded across ranks.
 
-- `ShardedBatchSampler`: each rank's samples, shuffled anew every epoch (`set_epoch`, the step
-  people forget), as many batches on every rank, and a start batch to skip what a resume trained.
-- `BatchFetcher`: one batch of indices into a batch; a data set with `__getitems__` is asked for
-  the whole batch at once (in-memory tensors: one gather), any other one sample by sample.
-- `build_loader`: the fetcher in this process or in workers; each batch's random numbers are seeded
-  from (seed, rank, epoch, batch): augmentation does not depend on the worker or on a resume.
-- On a GPU, `place_on_device` keeps in-memory data that fits on the device (batches are cut
-  there: no copy at all), and other batches are copied ahead (runtime/prefetch.py)."""
+`ShardedBatchSampler` deals each rank as many batches, shuffled anew every epoch (`set_epoch`, the
+step people forget), from a start batch on a resume. `BatchFetcher` makes one batch (all at once
+from a data set with `__getitems__`: in-memory tensors, one gather); `build_loader` runs it here or
+in workers, each batch's random numbers seeded from (seed, rank, epoch, batch): augmentation does
+not depend on the worker or on a resume. On a GPU, `place_on_device` keeps in-memory data that fits
+there (batches cut on the device: no copy), other batches are copied ahead (runtime/prefetch.py)."""
 
 from __future__ import annotations
 

@@ -5,13 +5,11 @@
     srun python -m {{ cookiecutter.package_name }}.doctor                              # under SLURM
     python -m {{ cookiecutter.package_name }}.doctor --plan --world-size 64 --gpu-memory-gb 80   # will it fit?
 
-Each process prints what it sees (launcher, ranks, backend, devices, GPUs, rendezvous, relevant
-variables, versions) and warns about known traps, then all of them do an all_reduce, a barrier and
-a bandwidth measurement with a short timeout. Exit 0 and `OK`, or exit 1 and a `FAIL:` line that
-says what to fix. It accepts the same flags as train.py.
-
-With --plan it starts no process group: it prints what the run with these flags needs on each GPU
-at --world-size processes, per layout, and every setting that is wrong at that size (plan.py)."""
+Each process prints what it sees (launcher, ranks, backend, devices, GPUs, rendezvous, variables,
+versions) and known traps, then all do an all_reduce, a barrier and a bandwidth measurement with a
+short timeout: exit 0 and `OK`, or 1 and a `FAIL:` line that says what to fix. Same flags as
+train.py. --plan starts no process group: it prints what the run needs on each GPU at --world-size
+processes, per layout, and every setting that is wrong at that size (plan.py)."""
 
 from __future__ import annotations
 
@@ -71,18 +69,16 @@ def gpus() -> list[str]:
 
 
 def processes_per_node(cuda_count: int, layout: str) -> int:
-    """The processes that use this machine (scripts/train_local.sh starts them; the doctor says
-    so): one per GPU, or per two GPUs with model_parallel_2, and 2 CPU processes without a GPU."""
+    """Processes train_local.sh starts here: one per GPU (per 2 with model_parallel_2), 2 on CPU."""
     if cuda_count == 0:
         return 2
     return max(1, cuda_count // 2) if layout == "model_parallel_2" else cuda_count
 
 
 def preflight(argv: list[str], caller: str) -> tuple[Config, list[str]]:
-    """scripts/train_local.sh, before any process starts: the flags, read in `caller` (where it was
-    run), the data, and whether the checkpoint to resume fits the model; a mistake is one line here,
-    not one per process and restart. Returns the settings, and the flags for the processes (run in
-    the project's folder) with each relative path given made absolute."""
+    """scripts/train_local.sh, before any process starts: the flags (read in `caller`), the data
+    and the checkpoint to resume, so a mistake is one line, not one per process and restart.
+    Returns the settings, and the flags for the processes (in the project's folder)."""
     project = os.getcwd()
     os.chdir(caller)
     cfg = parse_args(argv, getattr(task, "Settings", None), warn=False)  # the run warns
@@ -107,8 +103,8 @@ def preflight(argv: list[str], caller: str) -> tuple[Config, list[str]]:
 
 
 def absolute_paths(cfg: Config) -> list[str]:
-    """Flags that make each relative path given absolute, from here (in `cfg` too): of settings
-    named *_dir or whose metavar names a PATH, but not its words (--resume auto) nor URLs."""
+    """Flags (and `cfg`) with each relative path given made absolute: *_dir settings and PATH
+    metavars, but not a metavar's words (--resume auto) nor URLs."""
     flags = []
     for settings, prefix in ((cfg, ""), (cfg.task, "task.")):
         for f in dataclasses.fields(settings):
@@ -143,9 +139,8 @@ def traps(world: World, cuda_count: int, backend: str) -> list[str]:
 
 
 def network(world: World, description: str) -> list[str]:
-    """This rank's interface to the head node (`description`: the set-up's choice, as training
-    makes it), and a warning where a job of several machines runs on a host whose name resolves
-    to loopback."""
+    """This rank's interface to the head node (`description`: training's choice), and a warning
+    where a job of several machines runs on a host whose name resolves to loopback."""
     lines = [f"network: {description or 'loopback or default (one machine)'}"]
     hostname = socket.gethostname()
     try:
@@ -234,9 +229,8 @@ def check(argv: list[str] | None = None) -> int:
 
 
 def describe(cfg: argparse.Namespace) -> tuple[World, Callable[[str], None]]:
-    """Print what this process sees (versions, the launcher's variables and the world they give)
-    before that world is checked, then its GPUs and known traps. Returns the world and a way to
-    print more lines with this rank's tag."""
+    """Print what this process sees (versions, launcher variables, world) before the world is
+    checked, then its GPUs and traps. Returns the world and a `say` with this rank's tag."""
     seen = resolve_world(local_rank_flag=cfg.local_rank, check=False)
     tag = f"[doctor rank {seen.rank}/{seen.world_size}]"
 

@@ -63,13 +63,10 @@ class EMA:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, p, average in zip(self.names, self.params, self.averages, strict=True):
             saved = state[name]
-            if hasattr(saved, "to_local"):
-                saved = saved.to_local()
-            elif hasattr(p, "to_local"):  # a whole tensor from a file, for a sharded parameter
+            if hasattr(p, "to_local") and not hasattr(saved, "to_local"):  # a file's whole tensor
                 from torch.distributed.tensor import distribute_tensor
-                saved = distribute_tensor(saved.to(average.device), p.device_mesh,
-                                          p.placements).to_local()
-            average.copy_(saved)
+                saved = distribute_tensor(saved.to(average.device), p.device_mesh, p.placements)
+            average.copy_(local_part(saved))
 
 
 def _like(p: torch.Tensor, average: torch.Tensor) -> torch.Tensor:

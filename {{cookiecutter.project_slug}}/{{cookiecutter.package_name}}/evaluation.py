@@ -1,8 +1,7 @@
 """Validation: task.eval_metrics over the validation set, every sample counted once across ranks.
 
 Each rank sums its share; one all_reduce adds the sums of all ranks, so `val_<name> = sum / count`
-is exactly the single-process value (up to rounding), whatever the number of ranks. `Evaluation`
-decides when to evaluate and what follows: the log, --keep-best and --early-stop, --eval-only."""
+is exactly the single-process value (up to rounding), whatever the number of ranks."""
 
 from __future__ import annotations
 
@@ -93,18 +92,16 @@ def parse_goal(text: str) -> tuple[str, bool]:
     name, _, direction = text.partition(":")
     name = name if name.startswith("val_") else f"val_{name}"
     if direction not in ("max", "min", ""):
-        raise ValueError(f"expected METRIC, METRIC:max or METRIC:min, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected METRIC, METRIC:max or METRIC:min, got {text!r}")
     if not direction and not name.endswith("loss"):
-        raise ValueError(f"say whether higher or lower is better: {name}:max or {name}:min")
+        raise argparse.ArgumentTypeError(f"say whether higher or lower is better: {name}:max or "
+                                         f"{name}:min")
     return name, direction == "max"
 
 
 def goal_flag(text: str) -> str:
     """--keep-best's METRIC[:max|min], checked."""
-    try:
-        parse_goal(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    parse_goal(text)
     return text
 
 
@@ -185,8 +182,7 @@ class Evaluation:
         self.values: dict[str, float] = {}  # the last evaluation's metrics
 
     def due(self, step: int, last_of_epoch: bool) -> bool:
-        """Whether step `step` is evaluated: every --eval-every-steps, but not an epoch's last
-        step (the epoch's end is evaluated anyway)."""
+        """Every --eval-every-steps, but not an epoch's last step (its end is evaluated anyway)."""
         return self.every > 0 and step % self.every == 0 and not last_of_epoch
 
     def run(self, epoch: int, step: int) -> bool:
@@ -250,8 +246,7 @@ def _better(value: float, than: float, maximize: bool) -> bool:
 
 
 def _reshard(model: nn.Module) -> None:
-    """fully_shard's modules: a no-grad forward leaves the root's weights gathered. Asked by name,
-    not isinstance: config imports this module, and FSDP would add a second to every command
-    that never wraps a model in DDP (which imports it anyway): errors, the doctor, export."""
+    """fully_shard's modules: a no-grad forward leaves the root's weights gathered. Asked by name:
+    importing FSDP (config imports this module) costs a second in commands that wrap no model."""
     if hasattr(model, "reshard"):
         model.reshard()

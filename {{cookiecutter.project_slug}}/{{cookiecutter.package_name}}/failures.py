@@ -27,11 +27,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+QUIET_EXIT_DELAY_S = 1.0
+PRINTER_WAIT_S = 10.0  # under torchrun: how long a silent rank waits for local rank 0's line
+# What gloo and NCCL say when a peer died, stalled past --timeout-s, or dropped its connection.
+_CLOSED = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused")
+_COMMUNICATION_FAILURES = (*_CLOSED, "Timed out", "timed out", "NCCL error", "Socket Timeout")
+# How long the error path may talk to the store. A store whose host vanished answers nothing: a call
+# would block for the store timeout (--timeout-s) or TCP's retransmission timeout (minutes).
+RECORD_S = 2.0
+EXPLAIN_S = 5.0
+
 
 class ProjectError(RuntimeError):
-    """A known failure, printed as one `error: ...` line (no traceback). `everywhere`: every rank
-    found the same problem; only local rank 0 prints it. `quiet`: another rank prints it (this rank
-    only learned of it)."""
+    """A known failure, printed as one `error: ...` line. `everywhere`: every rank found it, only
+    local rank 0 prints it; `quiet`: another rank prints it (this rank only learned of it)."""
 
     def __init__(self, message: str, *, everywhere: bool = False, quiet: bool = False) -> None:
         super().__init__(message)
@@ -67,18 +76,13 @@ def local_rank_from_env() -> int:
     return 0
 
 
-QUIET_EXIT_DELAY_S = 1.0
-PRINTER_WAIT_S = 10.0  # under torchrun: how long a silent rank waits for local rank 0's line
-
-
 def report_error(exc: ProjectError, local_rank: int | None = None) -> None:
-    local_rank = local_rank_from_env() if local_rank is None else local_rank
     final = exc.everywhere or isinstance(exc, UsageError)  # a restart cures neither
     if exc.quiet:  # printed by a rank that may be on another node, a moment behind
         leave_for_torchrun(str(exc), final)
         time.sleep(QUIET_EXIT_DELAY_S)
     elif exc.everywhere:
-        say_once_per_node(str(exc), local_rank)
+        say_once_per_node(str(exc), local_rank_from_env() if local_rank is None else local_rank)
     else:
         _say(str(exc), final)
 
@@ -115,29 +119,16 @@ def leave_for_torchrun(line: str, final: bool = True) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
     if not path or os.path.exists(path):
         return
-    now = str(int(time.time()))
+    info = {"py_callstack": line, "timestamp": str(int(time.time()))}
     try:
         with open(path, "w", encoding="utf-8") as handle:
-            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
-                                                                 "timestamp": now}},
-                       "final": final}, handle)
+            json.dump({"message": {"message": line, "extraInfo": info}, "final": final}, handle)
     except OSError:
         pass  # the box then shows torch's link; the line itself is already printed
 
 
-# What gloo and NCCL say when a peer died, stalled past --timeout-s, or dropped its connection.
-_CLOSED = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused")
-_COMMUNICATION_FAILURES = (*_CLOSED, "Timed out", "timed out", "NCCL error", "Socket Timeout")
-
-
 def is_communication_failure(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or any(t in str(exc) for t in _COMMUNICATION_FAILURES)
-
-
-# How long the error path may talk to the store. A store whose host vanished answers nothing: a call
-# would block for the store timeout (--timeout-s) or TCP's retransmission timeout (minutes).
-RECORD_S = 2.0
-EXPLAIN_S = 5.0
 
 
 def bounded(call: Callable[[], Any], seconds: float) -> Any:
@@ -192,9 +183,8 @@ class PeerErrors:
         while True:
             if found := self._recorded():
                 rank, host, kind, message = found
-                return KINDS.get(kind, RunFailure)(
-                    f"rank {self.rank}: stopped because rank {rank} on {host} failed: {message}",
-                    quiet=host == self.host)
+                text = f"rank {self.rank}: stopped because rank {rank} on {host} failed: {message}"
+                return KINDS.get(kind, RunFailure)(text, quiet=host == self.host)
             missing = [r for r in range(self.world_size)
                        if not self.store.check([f"comm_failure/{r}"])]
             # Two ranks: if the other one left no record, it is the one that is gone.

@@ -21,13 +21,14 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI (a declared dependency there)
     import tomli as tomllib
 
-GROUPS = {  # the sections of --help, in this order
-    "training": "training",
-    "ddp": "DDP's gradient exchange (docs/performance.md says when to change them)",
-    "data": "data and model (task.py reads these)",
-    "distributed": "distributed",
-    "output": "checkpoints and output",
-}
+GROUPS = {"training": "training",  # the sections of --help, in this order
+          "ddp": "DDP's gradient exchange (docs/performance.md says when to change them)",
+          "data": "data and model (task.py reads these)", "distributed": "distributed",
+          "output": "checkpoints and output"}
+SETTING_TYPES = ("int", "float", "bool", "str", "str | None")  # what task.py's Settings may use
+_TOML_TYPES = {  # the Python types a --config value may have, by the setting's declared type
+    "int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "str | None": (str,),
+    "int | None": (int,), "float | None": (int, float), "list[str]": (str, list)}
 
 
 def setting(default: Any, help: str, low: float | None = None, unused_with: str | None = None,
@@ -155,9 +156,6 @@ def _add_flag(group: Any, f: dataclasses.Field, dest: str, default: Any,
                        **kwargs)
 
 
-SETTING_TYPES = ("int", "float", "bool", "str", "str | None")
-
-
 def _add_setting(parser: Parser, group: Any, f: dataclasses.Field) -> None:
     """One field of task.py's Settings as a --flag, checked like the project's own flags."""
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
@@ -178,11 +176,6 @@ def _add_setting(parser: Parser, group: Any, f: dataclasses.Field) -> None:
         check = number(kind, f.metadata.get("low"), f.metadata.get("high"))
         implied = {"type": check or str, "metavar": kind.split()[0].upper()}
     _add_flag(group, f, dest, f.default, implied)
-
-
-_TOML_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
-               "str | None": (str,), "int | None": (int,), "float | None": (int, float),
-               "list[str]": (str, list)}
 
 
 def config_file_values(path: str, parser: Parser) -> dict[str, Any]:
@@ -233,13 +226,9 @@ def read_flags(argv: list[str] | None, config: type,
     file_values = config_file_values(config_path, parser) if config_path else {}
     parser.set_defaults(**file_values)
     args = vars(parser.parse_args(argv))
-    return parser, args, sorted(set(file_values) | _given_on_command_line(config, settings, argv))
-
-
-def _given_on_command_line(config: type, settings: type | None,
-                           argv: list[str] | None) -> set[str]:
-    """The fields the command line sets: parsed again with a marker for every default."""
+    # What the command line sets: parsed again with a marker for every default.
     unset = object()
     probe = build_parser(config, settings)
     probe.set_defaults(**{a.dest: unset for a in probe._actions if a.dest != "help"})
-    return {key for key, value in vars(probe.parse_args(argv)).items() if value is not unset}
+    given = {key for key, value in vars(probe.parse_args(argv)).items() if value is not unset}
+    return parser, args, sorted(set(file_values) | given)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from ..ema import model_state
 from ..failures import ProjectError, UsageError
@@ -40,22 +39,16 @@ def model_and_meta(source: AnyPath, raw_weights: bool = False) -> tuple[dict, di
         raise UsageError(f"{source}: {missing(source)}")
     if why := unreadable(source):
         raise UsageError(f"{source}: cannot load it ({why})")
-    if source.is_dir():
-        state, meta = load_full_state(storage.local_copy(source)), read_meta(source)
+    if source.is_dir():  # whole tensors, without a process group
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(str(storage.local_copy(source)), str(Path(tmp) / "whole.pt"))
+            state, meta = load_checkpoint(Path(tmp) / "whole.pt"), read_meta(source)
     else:
         state = meta = load_checkpoint(source)
     averaged = bool(state.get("ema")) and not raw_weights
     return model_state(state, raw_weights), {**meta, "weights": "ema" if averaged else
                                              meta.get("weights", "raw")}
-
-
-def load_full_state(path: Path) -> dict[str, Any]:
-    """A checkpoint folder's state with whole tensors, without a process group (export)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    with tempfile.TemporaryDirectory() as tmp:
-        whole = Path(tmp) / "whole.pt"
-        dcp_to_torch_save(str(path), str(whole))
-        return load_checkpoint(whole)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ from .storage import AnyPath, RemotePath
 
 CHECKPOINT_NAME = re.compile(r"^ckpt_step(\d{8,})(\.pt)?$")
 META = "meta.json"  # in a checkpoint folder: everything but the tensors
+AGAIN = "run the same command to resume from it once the storage works"
 
 
 def checkpoint_path(directory: str | AnyPath, step: int, sharded: bool = False) -> AnyPath:
@@ -57,8 +58,7 @@ def is_complete(path: AnyPath) -> bool:
 
 def load_checkpoint(path: str | AnyPath, map_location: str | torch.device = "cpu",
                     mmap: bool = False) -> dict[str, Any]:
-    """A checkpoint file, loaded with `weights_only=True`: tensors and plain types, never code
-    (`mmap`: its tensors stay on disk until read)."""
+    """A checkpoint file, loaded `weights_only` (never code); `mmap`: tensors read when used."""
     return torch.load(storage.local_copy(storage.location(path)), map_location=map_location,
                       weights_only=True, mmap=mmap)
 
@@ -140,11 +140,7 @@ def write_file(state: dict[str, Any], path: AnyPath, newest: str = "",
     fsync_dir(path.parent)
 
 
-AGAIN = "run the same command to resume from it once the storage works"
-
-
 def newest_complete(saved: AnyPath | None) -> str:
-    """The newest complete checkpoint, as an error line names it (kept by the run, not asked of
-    the storage, which may be what failed)."""
+    """The newest complete checkpoint for an error line, as the run kept it (storage may fail)."""
     return (f"the newest complete checkpoint is {saved}" if saved is not None
             else "no checkpoint of this run is complete yet")

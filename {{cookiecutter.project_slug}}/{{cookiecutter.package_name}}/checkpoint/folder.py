@@ -118,9 +118,8 @@ class CheckpointDir:
         """Move checkpoints that are not this run's history into `earlier-<time>/` (nothing is
         deleted): those after step S for a run resumed from step S of this folder (an abandoned
         continuation, or a damaged newest one), else all of them."""
-        same_folder = (resumed_from is not None
-                       and storage.location(str(resumed_from)).resolve().parent
-                       == self.directory.resolve())
+        same_folder = resumed_from is not None and (
+            storage.location(str(resumed_from)).resolve().parent == self.directory.resolve())
         keep_up_to = files.step_of(resumed_from) if same_folder else -1
         others = [p for p in files.list_checkpoints(self.directory)
                   if files.step_of(p) > keep_up_to]

@@ -32,10 +32,6 @@ if TYPE_CHECKING:
     from ..optim import Optimizers
 
 
-def is_sharded(model: nn.Module) -> bool:
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())
-
-
 def _fqn_optimizer_state(model: nn.Module, optimizers: Optimizers,
                          state: dict[str, Any]) -> dict[str, Any]:
     """A file checkpoint's optimizer state (each optimizer's parameters numbered in its own
@@ -54,7 +50,7 @@ def _fqn_optimizer_state(model: nn.Module, optimizers: Optimizers,
 def set_full_state(model: nn.Module, optimizers: Optimizers, model_state: dict[str, Any],
                    optimizer_state: dict[str, Any]) -> None:
     """Load a file checkpoint's full (unsharded) state into any layout."""
-    if not is_sharded(model):
+    if not any(type(p).__name__ == "DTensor" for p in model.parameters()):  # not fsdp's shards
         model.load_state_dict(model_state)
         optimizers.load_state_dict(optimizer_state)
         return
@@ -155,10 +151,9 @@ class ShardedCheckpoints:
 
 
 def _reusable_stager(device: torch.device) -> Any:
-    """A stager that keeps its CPU copy of the state from one save to the next (None before torch
-    2.9). `async_save` otherwise allocates CPU memory for the copy at every save, on the training
-    thread: about 2 s for 2.7 GB from an H100, most of the stall. Safe: the next save first waits
-    for the previous one, which still reads the copy."""
+    """A stager that reuses its CPU copy of the state across saves (None before torch 2.9): else
+    `async_save` allocates it at every save, on the training thread (about 2 s for 2.7 GB from an
+    H100, most of the stall). Safe: the next save first waits for the previous, which reads it."""
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:

@@ -22,6 +22,8 @@ from ..failures import RunFailure, UsageError, bounded
 INSTALL = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
            "abfs": "adlfs", "abfss": "adlfs"}
 UPLOAD_TRIES = 3  # a failing upload is tried this often, with a growing pause, then the run stops
+_cache: tempfile.TemporaryDirectory | None = None
+_copies: dict[str, Path] = {}  # local_copy: each URL once, downloaded under _cache
 
 
 def is_url(value: str) -> bool:
@@ -219,10 +221,6 @@ def within(job: Callable[[], Any], timeout_s: float) -> BaseException | None:
         return bounded(caught, timeout_s)
     except TimeoutError:
         return TimeoutError(f"the storage did not answer within {timeout_s:.0f} s (--timeout-s)")
-
-
-_cache: tempfile.TemporaryDirectory | None = None
-_copies: dict[str, Path] = {}
 
 
 def local_copy(path: AnyPath) -> Path:

@@ -12,10 +12,7 @@ as a plain Python process (`-I -S`, standard library only, a few MB) that:
 - keeps the lifeline's deadline, MARGIN_S later: past it, it prints one `error:` line naming the
   phase, has faulthandler (lock-free too) write the process's stacks to a file, and SIGKILLs it.
 - stops a process whose launcher (torchrun's agent, the mp.spawn parent, srun's step daemon) is
-  gone, as if by SIGTERM; and ends itself when the training process ends (its command pipe closes).
-
-Both may decide to end the process at once (a signal can wake a stuck call): the one that first
-takes the single byte of a shared pipe prints the `error:` line, so the user sees one."""
+  gone, as if by SIGTERM; and ends when the training process does (its command pipe closes)."""
 
 from __future__ import annotations
 
@@ -86,7 +83,8 @@ class Backstop:
             os.write(self._commands, line.encode())
 
     def claim_last_word(self) -> bool:
-        """True for the first of this process and its watchdog to ask: it prints the error."""
+        """True for the first of this process and its watchdog to ask (both may end the process at
+        once: a signal can wake a stuck call): it prints the `error:` line, so the user sees one."""
         return _take(self._token)
 
     def close(self) -> None:
@@ -113,19 +111,14 @@ def _take(token: int) -> bool:
         return False
 
 
-def _parent_of(pid: int) -> int:
-    """The parent pid of `pid` (Linux: /proc), or -1 when unknown."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return -1
-
-
 def _launcher_gone(worker: int, launcher: int) -> bool:
     if launcher <= 0:
         return False
-    if (parent := _parent_of(worker)) != -1:
-        return parent != launcher
+    try:  # Linux: is it still the worker's parent?
+        stat = Path(f"/proc/{worker}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[1]) != launcher
+    except (OSError, ValueError, IndexError):  # no /proc: does it still exist?
+        pass
     try:
         os.kill(launcher, 0)
     except OSError as exc:  # only "no such process" says it is gone
@@ -167,10 +160,8 @@ class Watchdog:
                 self.deadline = (float(when), phase.replace("_", " "), what)
             elif verb == "disarm":
                 self.deadline = None
-            elif verb == "phase":
-                self.phase = rest
-            elif verb == "hint":
-                self.hint = rest
+            elif verb in ("phase", "hint"):
+                setattr(self, verb, rest)
         return True
 
     def _on_signal(self, signum: int) -> None:

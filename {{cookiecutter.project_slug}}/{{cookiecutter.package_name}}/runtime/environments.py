@@ -163,9 +163,8 @@ class SlurmEnvironment:
 
     @staticmethod
     def world(env: Mapping[str, str], local_rank_flag: int | None, check: bool = True) -> World:
-        rank = _int_var(env, "SLURM_PROCID")
         tasks_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
-        world_size = _int_var(env, tasks_var)
+        rank, world_size = _int_var(env, "SLURM_PROCID"), _int_var(env, tasks_var)
         in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
         local_rank = _int_var(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
         node = _int_var(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0

@@ -11,8 +11,7 @@ Python's signal handlers and of timeouts of its own. One watcher thread per proc
   stops at its next log step, where the ranks agree, save and exit. A second Ctrl-C ends it at once.
 
 The thread needs the interpreter lock: when a C call holds it, the backstop (backstop.py) ends the
-process instead. torch's C++ messages go to a log file (`keep_torch_messages_in`): the terminal is
-kept for these lines and the process's own."""
+process instead. torch's C++ messages go to a log file (`keep_torch_messages_in`)."""
 
 from __future__ import annotations
 
@@ -30,6 +29,9 @@ from pathlib import Path
 from .backstop import MARGIN_S, SAME_EVENT_S, Backstop
 
 _terminal_fd = 2  # where this process's own lines go (see keep_torch_messages_in)
+STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT] + (
+    [signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
+ENDING = (signal.SIGTERM, signal.SIGINT)  # a second one ends it at once (SIGUSR1 only warns)
 
 
 def keep_torch_messages_in(path: Path) -> None:
@@ -50,11 +52,6 @@ def keep_torch_messages_in(path: Path) -> None:
     sys.stderr = open(terminal, "w", buffering=1, encoding=sys.stderr.encoding,
                       errors="backslashreplace")
     _terminal_fd = terminal
-
-
-STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT] + (
-    [signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
-ENDING = (signal.SIGTERM, signal.SIGINT)  # a second one ends it at once (SIGUSR1 only warns)
 
 
 def _say(text: str) -> None:

@@ -23,6 +23,11 @@ from .lifeline import Lifeline
 from .network import VARIABLES, advertised_address, route_to
 from .workarounds import agent_store, remove_file_store, use_libuv, windows_env
 
+INIT_METHODS = "env, tcp, file, tcp://HOST:PORT, file:///abs/path or a path like ./rdzv/store"
+# How old a non-empty store file must be to count as a leftover rather than a peer's file of this
+# launch. A younger leftover is caught by the --timeout-s deadline of the rendezvous instead.
+STALE_AFTER_S = 60.0
+
 
 def resolve_backend(requested: str, cuda_count: int, nccl_available: bool,
                     platform: str | None = None) -> str:
@@ -100,9 +105,6 @@ class Rendezvous:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
-INIT_METHODS = "env, tcp, file, tcp://HOST:PORT, file:///abs/path or a path like ./rdzv/store"
-
-
 def resolve_rendezvous(method: str, world: World, rendezvous_dir: Path,
                        platform: str | None = None) -> Rendezvous:
     """Turn --init-method into a Rendezvous. `env`, `tcp`, `file` are the template's short names."""
@@ -148,11 +150,6 @@ def resolve_rendezvous(method: str, world: World, rendezvous_dir: Path,
                          "pick a writable shared folder", everywhere=True) from None
     check_store_file(path)
     return Rendezvous("file", path=path)
-
-
-# How old a non-empty store file must be to count as a leftover rather than a peer's file of this
-# launch. A younger leftover is caught by the --timeout-s deadline of the rendezvous instead.
-STALE_AFTER_S = 60.0
 
 
 def store_file_problem(data: bytes) -> str | None:

@@ -66,9 +66,7 @@ class MetricsWriter:
 
 class Tracker(Protocol):
     run_id: str | None
-
     def log(self, record: dict[str, Any]) -> None: ...
-
     def close(self) -> None: ...
 
 
@@ -165,9 +163,8 @@ def open_tracker(name: str, output_dir: Path, config: dict[str, Any],
         return None
     if name == "tensorboard":
         return SafeTracker(TensorBoardTracker(output_dir, config))
-    if name == "wandb":
-        return SafeTracker(WandbTracker(output_dir, config, run_id))
-    return SafeTracker(MlflowTracker(output_dir, config, run_id))
+    tracker = WandbTracker if name == "wandb" else MlflowTracker
+    return SafeTracker(tracker(output_dir, config, run_id))
 
 
 class SafeTracker:

@@ -22,28 +22,25 @@ UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN}  # a host
 
 
 def exit_process(code: int) -> NoReturn:
-    """End a training process without Python's interpreter shutdown.
-
-    Without it: a run that finished fine can abort at exit ("terminate called without an active
-    exception", exit -6, and torchrun calls the job failed). Gloo's worker threads still hold
-    tensors when the interpreter is torn down, because a process group used by DDP stays alive after
-    destroy_process_group; releasing them then needs the GIL of a dying interpreter. Upstream:
-    https://github.com/pytorch/pytorch/issues/190489 (an atexit fix, #179291, was abandoned). Seen
-    with torch 2.13 (gloo, 1 in 20-60 resumed runs under load). Cost: atexit handlers do not run, so
-    everything the project writes is closed explicitly first."""
+    """End a training process without Python's interpreter shutdown. Without it: a run that
+    finished fine can abort at exit ("terminate called without an active exception", exit -6, and
+    torchrun calls the job failed): gloo's worker threads still hold tensors at teardown (a process
+    group used by DDP outlives destroy_process_group), and releasing them needs the GIL of a dying
+    interpreter. Upstream: https://github.com/pytorch/pytorch/issues/190489 (an atexit fix, #179291,
+    was abandoned). Seen with torch 2.13 (gloo, 1 in 20-60 resumed runs under load). Cost: atexit
+    handlers do not run, so everything the project writes is closed explicitly first."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
 def stop_stuck_agent(agent_pid: int) -> None:
-    """SIGKILL torchrun's agent on this node, once this node has lost the job's store.
-
-    Without it: the agent's monitoring loop asks its rendezvous store how many nodes wait, and a
-    TCPStore get whose host dropped off the network blocks in recv() forever (no timeout; SIGTERM
-    does nothing, recv is retried). The training processes end by their deadlines, the agent never
-    does, and the node stays busy. Upstream: https://github.com/pytorch/pytorch/issues/129367 (a get
-    stuck in recv). Seen with torch 2.13 on two network-namespace hosts, one cut off."""
+    """SIGKILL torchrun's agent on this node, once this node has lost the job's store. Without it:
+    the agent's monitoring loop asks its rendezvous store how many nodes wait, and a TCPStore get
+    whose host dropped off the network blocks in recv() forever (no timeout; SIGTERM does nothing,
+    recv is retried): the training processes end by their deadlines, the agent never does, and the
+    node stays busy. Upstream: https://github.com/pytorch/pytorch/issues/129367 (a get stuck in
+    recv). Seen with torch 2.13 on two network-namespace hosts, one cut off."""
     with suppress(OSError):
         os.kill(agent_pid, signal.SIGKILL)
 
@@ -60,10 +57,8 @@ def stop_agent_if_store_lost(agent_pid: int, host: str, port: int | None) -> Non
 
 
 def remove_file_store(store: dist.Store, path: Path, world_size: int) -> None:
-    """Remove a FileStore's file once the last rank leaves.
-
-    Without it: `exit_process` skips the FileStore destructor, which is where PyTorch removes the
-    file, and the next launch finds a leftover file. Needed as long as `exit_process` is."""
+    """Remove a FileStore's file once the last rank leaves. Without it: `exit_process` skips the
+    FileStore destructor, which removes it, and the next launch finds it (needed while that is)."""
     try:
         last = store.add("ranks_done", 1) == world_size
     except Exception:  # a peer already removed the file: nothing left to do
@@ -73,10 +68,9 @@ def remove_file_store(store: dist.Store, path: Path, world_size: int) -> None:
 
 
 def agent_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.Store:
-    """The store of torchrun's agent, seen through a prefix that is new for every restart.
-
-    Without it: torchrun keeps one store for every restart attempt of a job, and the workers of a
-    restart read the addresses the dead workers published there and never connect (gloo hangs in
+    """The store of torchrun's agent, seen through a prefix that is new for every restart. Without
+    it: torchrun keeps one store for every restart attempt of a job, and the workers of a restart
+    read the addresses the dead workers published there and never connect (gloo hangs in
     connectFullMesh). Upstream: https://github.com/pytorch/pytorch/issues/135712 (restart counts are
     tracked per worker, not per job). Seen with torch 2.5 to 2.13 under --max-restarts."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -86,12 +80,10 @@ def agent_store(host: str, port: int, world_size: int, timeout_s: float) -> dist
 
 
 def windows_env(platform: str, torch_version: str) -> dict[str, str]:
-    """Environment Windows needs before any TCP store starts.
-
-    Without it: PyTorch 2.4+ defaults to a libuv TCPStore, which its Windows builds do not have
-    ("use_libuv was requested but PyTorch was built without libuv support"). Upstream:
-    https://github.com/pytorch/pytorch/issues/139990; init_process_group defaults to USE_LIBUV=0 on
-    Windows since torch 2.7 (#148266), torchrun's rendezvous still does not (#178600)."""
+    """Environment Windows needs before any TCP store starts. Without it: PyTorch 2.4+ defaults to
+    a libuv TCPStore, missing from its Windows builds ("use_libuv was requested but PyTorch was
+    built without libuv support"). Upstream: https://github.com/pytorch/pytorch/issues/139990
+    (init_process_group defaults to USE_LIBUV=0 there since 2.7, #148266; torchrun not, #178600)."""
     if platform != "win32":
         return {}
     major, minor = (int(part) for part in torch_version.split(".")[:2])
@@ -100,11 +92,9 @@ def windows_env(platform: str, torch_version: str) -> dict[str, str]:
 
 def set_group_timeout(timeout_s: float) -> None:
     """Change the default process group's timeout after it started (NCCL: long for start-up and the
-    first step, then --timeout-s).
-
-    Without it: one timeout for the whole run, either too short for NCCL's start-up or too long to
-    notice a stalled rank in training. PyTorch has only this private function for it
-    (https://github.com/pytorch/pytorch/pull/115453, torch 2.3+); torchtitan calls it too."""
+    first step, then --timeout-s). Without it: one timeout for the whole run, either too short for
+    NCCL's start-up or too long to notice a stalled rank in training. PyTorch has only this private
+    function for it (https://github.com/pytorch/pytorch/pull/115453, torch 2.3+; torchtitan too)."""
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
 
 
@@ -114,12 +104,11 @@ def use_libuv() -> bool:
 
 def torchrun_quietly(argv: list[str]) -> int:
     """torchrun, where a failure no restart cures ends the job at once and quietly (its processes
-    said why), and a stop by a signal with one line and exit 128 + the signal.
-
-    Without it: torchrun restarts the job (--max-restarts) whatever failed, so a mistake is printed
-    once per attempt, then under about 30 lines of its ChildFailedError; so is every preemption or
-    `scancel` (SignalException: https://github.com/pytorch/pytorch/pull/61602). Its agent has no
-    notion of a failure not worth a restart: here it reads each worker's error file, whose "final"
+    said why), and a stop by a signal with one line and exit 128 + the signal. Without it: torchrun
+    restarts the job (--max-restarts) whatever failed, so a mistake is printed once per attempt,
+    then under about 30 lines of its ChildFailedError; so is every preemption or `scancel`
+    (SignalException: https://github.com/pytorch/pytorch/pull/61602). Its agent has no notion of a
+    failure not worth a restart: here it reads each worker's error file, whose "final"
     failures.leave_for_torchrun sets. Seen with torch 2.5 to 2.13."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import api

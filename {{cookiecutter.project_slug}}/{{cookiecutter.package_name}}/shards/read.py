@@ -131,8 +131,7 @@ class ShardSet(Dataset):
         return handle.read(length)
 
     def epoch_order(self, seed: int, epoch: int) -> torch.Tensor:
-        """This part's samples in the order of `epoch`: shards shuffled, then each window of
-        --shuffle-window shards' samples shuffled together."""
+        """This part's samples in the order of `epoch` (the module's docstring says which)."""
         g = torch.Generator().manual_seed(seed + epoch)
         shards = torch.randperm(len(self.ranges), generator=g).tolist()
         parts = []
@@ -144,8 +143,7 @@ class ShardSet(Dataset):
 
 
 def check_files(root: storage.AnyPath, data: str, index: dict[str, Any]) -> None:
-    """Every shard is there at its full size (one listing): a truncated or missing one is one
-    line before training, not a failure an hour in."""
+    """Every shard is there at full size (one listing): else one error line now, not an hour in."""
     try:
         found = {p.name: p.stat().st_size for p in root.iterdir()}
     except OSError as exc:

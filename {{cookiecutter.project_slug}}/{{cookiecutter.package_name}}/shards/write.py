@@ -58,11 +58,9 @@ class Writer:
         if not self.data:
             return
         name = f"{len(self.shards):05d}"
-        files = {f"{name}.bin": bytes(self.data)}
+        publish(bytes(self.data), self.dest / f"{name}.bin", self.tmp)
         if self.rows:
-            files[f"{name}.idx"] = array("q", self.rows).tobytes()
-        for file, content in files.items():
-            publish(content, self.dest / file, self.tmp)
+            publish(array("q", self.rows).tobytes(), self.dest / f"{name}.idx", self.tmp)
         self.shards.append({"name": name, "bytes": len(self.data), "samples": self.count,
                             **({"idx_bytes": 8 * len(self.rows)} if self.rows else {})})
         self.data, self.rows, self.count = bytearray(), [], 0
@@ -94,13 +92,6 @@ def write_images(source: Path, writer: Writer, progress: bool) -> dict[str, Any]
     return {"kind": "images", "classes": classes}
 
 
-def text_files(source: Path) -> list[Path]:
-    files = sorted(source.rglob("*.txt")) if source.is_dir() else [source]
-    if not files:
-        raise UsageError(f"{source}: no .txt files in it; give a text file or a folder of them")
-    return files
-
-
 def tokenizer_for(files: list[Path], given: str | None, vocab_size: int) -> Any:
     """The byte-level BPE tokenizer: from `given`, or trained on `files` (offline)."""
     try:
@@ -116,9 +107,8 @@ def tokenizer_for(files: list[Path], given: str | None, vocab_size: int) -> Any:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train([str(f) for f in files], trainer)
     return tokenizer
 
@@ -177,7 +167,10 @@ def prepare(source: str, dest: str, shard_mb: float, tokenizer: str | None = Non
                                 for f in d.iterdir()):
             index = write_images(src, writer, progress)
         else:
-            files = text_files(src)
+            files = sorted(src.rglob("*.txt")) if src.is_dir() else [src]
+            if not files:
+                raise UsageError(f"{src}: no .txt files in it; give a text file or a folder of "
+                                 "them")
             index = write_tokens(files, writer, tokenizer_for(files, tokenizer, vocab_size),
                                  Path(tmp), progress)
         index = {"format": 1, **index, "shards": writer.shards}
