@@ -80,9 +80,8 @@ class Config:
     compile: bool = setting(False, "torch.compile the model", group="training")
     find_unused_parameters: bool = setting(False, "DDP find_unused_parameters (only for models "
                                            "with unused branches)", group="training")
-    check_replicas_every: int = setting(100, "also compare the ranks' weights every N optimizer "
-                                        "steps (they are at every save), 0 = off", low=0,
-                                        group="training")
+    check_replicas_every: int = setting(100, "compare the ranks' weights every N steps, as at "
+                                        "every save (0: at saves only)", low=0, group="training")
 
     bucket_cap_mb: float | None = setting(None, "size of DDP's gradient buckets, each all-reduced "
                                           "as soon as its gradients are ready (default: DDP's 25, "

@@ -128,9 +128,7 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""  # CPU: None
     if ("H100" in name or "H200" in name) and ("PCIe" in name or "NVL" in name):
         return None
     return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)

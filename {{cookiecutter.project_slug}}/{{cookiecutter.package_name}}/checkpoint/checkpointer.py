@@ -208,8 +208,7 @@ class Checkpointer:
         return None if path is None else str(path)
 
     def _load(self, path: storage.AnyPath, weights_only: bool) -> dict[str, Any]:
-        """Every rank: the checkpoint into the model and EMA, and the optimizers, schedules and
-        comm hook unless `weights_only`."""
+        """Every rank: the checkpoint into the model, EMA and (unless `weights_only`) the rest."""
         try:
             meta = load_into(path, self.model, self.optim, self.world.world_size,
                              self.world.rank, self.cfg.batch_size, self.device, weights_only)
