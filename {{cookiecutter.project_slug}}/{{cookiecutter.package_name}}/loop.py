@@ -169,8 +169,7 @@ class Trainer:
 
     def _accumulation(self, i: int, total: int) -> tuple[bool, float]:
         """Whether batch `i` ends its accumulation group, and its weight in the group."""
-        accum = self.cfg.grad_accum
-        if accum == 1:
+        if (accum := self.cfg.grad_accum) == 1:
             return True, 1.0
         start = i - i % accum
         end = min(start + accum, total)  # the last group of an epoch may be short
