@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import (
     PROJECT_ROOT,
+    ckpt_name,
     kill_a_worker_once_saved,
     load_state,
     needs_numpy,
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.full  # the slow tier: pytest --full
 DOC = (PROJECT_ROOT / "docs/custom-step.md").read_text()
 # Each example: its section's heading, the values it logs, and short-run flags.
 EXAMPLES = {
-    "gan": ("## Example: a GAN", {"critic_loss", "generator_loss"},
+    "gan": ("## Example: a GAN", {"critic_loss", "penalty", "generator_loss", "lr_generator"},
             ["--dataset-size", "512", "--hidden-size", "16", "--lr", "2e-3"]),
     "teacher": ("## Example: a frozen teacher", {"loss", "labels", "teacher"},
                 ["--dataset-size", "512", "--hidden-size", "8"]),
@@ -184,20 +185,56 @@ def test_values_are_averaged_by_name_and_names_that_differ_between_ranks_are_one
 
 
 @pytest.mark.parametrize("layout", ["data_parallel", pytest.param("fsdp", marks=needs_numpy)])
-def test_a_resume_with_other_optimizers_or_schedules_is_one_line(tmp_path, layout):
+def test_a_resume_with_other_optimizers_is_one_line_and_weights_only_goes_on(tmp_path, layout):
     project = project_copy(tmp_path, example("teacher"))
     command = [sys.executable, "train.py", *RUN, *EXAMPLES["teacher"][2], "--model-layout", layout]
     ok(run_cmd([*command, "--max-steps", "2"], project, PYTHONPATH=str(project)))
     before = list_checkpoints(project / "checkpoints")
     (project / "{{ cookiecutter.package_name }}/task.py").write_text(example("teacher").replace(
         "def train_step(", OPTIMIZERS.format("(o := torch.optim.AdamW(model.student.parameters()),"
-                                             " torch.optim.lr_scheduler.StepLR(o, 5))",
-                                             "train_step"), 1))
+                                             " torch.optim.lr_scheduler.StepLR(o, "
+                                             "cfg.total_steps))", "train_step"), 1))
     line = one_error(run_cmd(command, project, PYTHONPATH=str(project)))
     assert (f"checkpoint {before[0].relative_to(project)} holds the optimizers (schedules) "
-            "'default' (--lr-schedule); task.py gives 'default' (StepLR); use --resume never")\
-        in line
+            "'default' (--lr-schedule); task.py gives 'default' (StepLR); use --resume "
+            "weights-only to go on from its weights with fresh optimizers, --resume never") in line
     assert list_checkpoints(project / "checkpoints") == before
+    out = ok(run_cmd([*command, "--resume", "weights-only", "--max-steps", "1"], project,
+                     PYTHONPATH=str(project))).stdout
+    assert (f"--resume weights-only: the weights of {before[0].relative_to(project)}; the "
+            "optimizers, their schedules and the position start afresh") in out
+    old, new = (load_state(path)["model"] for path in (
+        next(project.glob(f"checkpoints/earlier-*/{before[0].name}")),  # moved aside, as it was
+        list_checkpoints(project / "checkpoints")[0]))
+    assert max((old[k] - new[k]).abs().max() for k in old) < 3e-3  # one step of AdamW's lr 1e-3
+
+
+# The teacher example with a branch that leaves the student's last layer out on one rank at a
+# time (DDP still exchanges every gradient), then a change to one weight on rank 1 only.
+DRIFT = [("    x, y = batch", """\
+    x, y = batch
+    if step.number == 6 and torch.distributed.get_rank() == 1:
+        with torch.no_grad():
+            step.module.student[2].weight[0, 0] += 1e-3"""), ("    step.backward(loss)", """\
+    if step.number % 3 == torch.distributed.get_rank() + 1:  # this rank's branch
+        loss = labels = teacher = F.mse_loss(step.module.student[:4](x).mean(1, keepdim=True), y)
+    step.backward(loss)""")]
+
+
+def test_ranks_that_drift_apart_stop_the_run_in_one_line_before_a_save(tmp_path):
+    task = example("teacher")
+    for old, new in DRIFT:
+        task = task.replace(old, new, 1)
+    project = project_copy(tmp_path, task)
+    result = run_cmd([*torchrun_cmd(2), "train.py", *RUN, *EXAMPLES["teacher"][2], "--grad-accum",
+                      "1", "--save-every-steps", "2", "--check-replicas-every", "7"], project,
+                     PYTHONPATH=str(project))
+    line = one_error(result)
+    assert "the ranks' weights differ at step 7: 'student.2.weight' sums to " in line, line
+    assert " (0.001 apart; 1 of 12 parameters differ): a step changed weights on some ranks only" \
+        in line
+    assert [p.name for p in list_checkpoints(project / "checkpoints")] == [
+        ckpt_name(6), ckpt_name(4), ckpt_name(2)]
 
 
 # ---------------------------------------------------------------- the checks, in this process
@@ -272,6 +309,13 @@ def test_trainable_parameters_no_optimizer_holds_are_named():
 
 
 @pytest.mark.quick
+def test_each_optimizers_learning_rate_is_logged_by_its_name():
+    assert optimization(lambda model, cfg: {"a": sgd(model[0]), "b": sgd(model[1])}).lr() == {
+        "lr": 0.1, "lr_b": 0.1}
+    assert optimization().lr() == {"lr": 3e-3}
+
+
+@pytest.mark.quick
 def test_a_checkpoint_of_other_optimizers_or_schedules_is_refused_in_one_line():
     optim = optimization(lambda model, cfg: {"a": sgd(model[0]),
                                              "b": (o := sgd(model[1]), StepLR(o, 2))})
@@ -284,5 +328,5 @@ def test_a_checkpoint_of_other_optimizers_or_schedules_is_refused_in_one_line():
         there = ", ".join(f"'{name}' ({kind})" for name, kind in saved.items())
         assert str(error.value) == (
             f"checkpoint ckpt.pt holds the optimizers (schedules) {there}; task.py gives 'a' "
-            "(--lr-schedule), 'b' (StepLR); use --resume never to start over, or another "
-            "--checkpoint-dir")
+            "(--lr-schedule), 'b' (StepLR); use --resume weights-only to go on from its weights "
+            "with fresh optimizers, --resume never to start over, or another --checkpoint-dir")

@@ -80,6 +80,8 @@ class Config:
     compile: bool = setting(False, "torch.compile the model", group="training")
     find_unused_parameters: bool = setting(False, "DDP find_unused_parameters (only for models "
                                            "with unused branches)", group="training")
+    check_replicas_every: int = setting(100, "compare the ranks' weights every N steps, as at "
+                                        "every save (0: at saves only)", low=0, group="training")
 
     bucket_cap_mb: float | None = setting(None, "size of DDP's gradient buckets, each all-reduced "
                                           "as soon as its gradients are ready (default: DDP's 25, "
@@ -150,7 +152,8 @@ class Config:
     keep_last: int = setting(3, "checkpoints of this run to keep, 0 = keep all", low=0,
                              group="output")
     resume: str = setting("auto", "auto = newest complete checkpoint in --checkpoint-dir, if "
-                          "any", metavar="{auto,never,PATH}", group="output")
+                          "any; weights-only = its model and EMA, with fresh optimizers and "
+                          "position", metavar="{auto,never,weights-only,PATH}", group="output")
     async_save: bool = setting(False, "write checkpoints in the background while training goes "
                                "on", group="output")
     output_dir: str = setting("runs/latest", "metrics.jsonl, summary.json and config.json go "
@@ -186,6 +189,7 @@ class Config:
     # Fields set by a flag or the --config file rather than left at their default ("task.x" for a
     # task setting): a resumed run keeps the earlier run's retention unless it is given again.
     given: list[str] = field(default_factory=list)
+    total_steps: int = 0  # the run's optimizer steps, set at its start (for a schedule's length)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only, so a checkpoint loads with `weights_only=True`."""
@@ -284,7 +288,7 @@ def problems(cfg: Config) -> list[str]:
                      "DDP's no_sync with static_graph); drop one of them")
     if cfg.sync_bn and cfg.model_layout == "fsdp":
         found.append("--sync-bn does not work with --model-layout fsdp; drop --sync-bn")
-    if (cfg.resume not in ("auto", "never") and not storage.is_url(cfg.resume)
+    if (cfg.resume not in ("auto", "never", "weights-only") and not storage.is_url(cfg.resume)
             and not Path(cfg.resume).exists()):
         found.append(f"--resume {cfg.resume}: no such file or folder; use --resume auto or "
                      "--resume never")

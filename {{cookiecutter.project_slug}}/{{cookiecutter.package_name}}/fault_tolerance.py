@@ -374,8 +374,9 @@ def build_replica_trainer(cfg: Config, world: World, backend: str, devices: list
     data = entry.loaders(cfg, world, train_set, val_set, batches, devices[0],
                          collective_device(backend, devices[0]))
     model, comm_hook = entry.build_parallel_model(cfg, world, devices)
+    cfg.total_steps = entry.total_steps(cfg, data)  # task.configure_optimizer may read it
     optim = FaultTolerantOptimization(manager, replicas.lighthouse, world.is_main, model, cfg,
-                                      devices[0], entry.total_steps(cfg, data),
+                                      devices[0], cfg.total_steps,
                                       autocast=entry.uses_autocast(cfg, devices[0]),
                                       configure=getattr(task, "configure_optimizer", None))
     trainer = Trainer(cfg, world, task, model, optim, data,

@@ -104,22 +104,19 @@ class Trainer:
 
     def loop_state(self) -> dict[str, Any]:
         """The loop's part of a checkpoint: position, last loss, tracker run, model selection.
-        The pending log step is read first, and then the loss since it and the weights: a
-        run whose loss or weights turned nan stops before it saves them."""
+        The pending log step is read first, then the loss since it and the weights are checked."""
         self.metrics.settle()
-        self.metrics.check_finite(self.step, self.model.parameters())
+        self.metrics.check_weights(self.step, list(self.unwrapped.named_parameters()))
         samples = self.batch_in_epoch * self.cfg.batch_size * self.world.world_size
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "samples_in_epoch": samples, "step": self.step,
-                "last_loss": self.metrics.last_loss,
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "step": self.step,
+                "samples_in_epoch": samples, "last_loss": self.metrics.last_loss,
                 "tracker_run_id": self.metrics.tracker_run_id,
                 "selection": self.evaluation.selection.state_dict(), "data": self.data_notes}
 
     # ---------------------------------------------------------------- training
     def train(self) -> dict[str, Any]:
         """Train until --epochs (or --max-steps), saving as configured; returns the summary."""
-        early = self._before_training()
-        if early is not None:  # --eval-only, or a run that is already complete
+        if (early := self._before_training()) is not None:  # --eval-only, or a complete run
             return early
         self.metrics.start(self.step)
         self.lifeline.phase = "training"
@@ -159,10 +156,8 @@ class Trainer:
             self._evaluate(epoch)
 
     def _run_batch(self, batch: Any, weight: float, last: bool) -> dict[str, torch.Tensor]:
-        """One batch through the step function; returns what it logs. `weight` is the batch's
-        share of the samples of its accumulation group, so K accumulated batches give the
-        gradient of one K-times larger batch (a short last group included). Gradients are
-        exchanged only at the group's `last` batch, where the optimizers step."""
+        """One batch through the step function; returns what it logs. `weight`: the batch's share
+        of its accumulation group's samples; gradients are exchanged at the group's `last` batch."""
         self.step_state.begin(self.step, weight, last)
         if last:
             values = self.train_step(self.step_state, batch)
@@ -172,17 +167,15 @@ class Trainer:
         return check_values(values, "task.train_step") if self.custom_step else values
 
     def _agreed_batch_count(self) -> int:
-        """The batches every rank will run this epoch: the smallest count of any rank. Our sampler
-        pads shards to equal length; a custom one may not, and a rank waiting for a step the others
-        never take is a hang."""
+        """The batches every rank will run this epoch: the smallest count of any rank (a custom
+        sampler may not pad to equal length, and a rank waiting for a step is a hang)."""
         count = torch.tensor([self.batches.batches_per_epoch()], device=self.comm_device)
         dist.all_reduce(count, op=dist.ReduceOp.MIN)  # once per epoch
         return int(count.item())
 
     def _accumulation(self, i: int, total: int) -> tuple[bool, float]:
         """Whether batch `i` ends its accumulation group, and its weight in the group."""
-        accum = self.cfg.grad_accum
-        if accum == 1:
+        if (accum := self.cfg.grad_accum) == 1:
             return True, 1.0
         start = i - i % accum
         end = min(start + accum, total)  # the last group of an epoch may be short
@@ -198,6 +191,8 @@ class Trainer:
             self._evaluate(epoch)
         if self._done():  # --max-steps, a stop agreed at the log step, or an early stop
             return True
+        if (every := self.cfg.check_replicas_every) and self.step % every == 0:
+            self.metrics.check_weights(self.step, list(self.unwrapped.named_parameters()))
         self.checkpointer.maybe_save(self.step, self.loop_state, last_of_epoch=last_of_epoch)
         return False
 
@@ -219,8 +214,7 @@ class Trainer:
                 or bool(self.cfg.max_steps and self.step >= self.cfg.max_steps))
 
     def _before_training(self) -> dict[str, Any] | None:
-        """Checks that need the model and data, then the metrics; a result when there is nothing
-        to train (--eval-only, a complete run)."""
+        """Checks that need the model and data, then the metrics; a result if nothing trains."""
         self.evaluation.check()
         resumed_from = self.checkpointer.resumed_from
         if self.cfg.eval_only:

@@ -59,7 +59,8 @@ def build_trainer(cfg: Config, world: World, backend: str, devices: list[torch.d
     prepare(cfg)
     data = build_data(cfg, world, devices[0], collective_device(backend, devices[0]))
     model, comm_hook = build_parallel_model(cfg, world, devices)
-    optim = Optimization(model, cfg, devices[0], total_steps(cfg, data),
+    cfg.total_steps = total_steps(cfg, data)  # task.configure_optimizer may read it
+    optim = Optimization(model, cfg, devices[0], cfg.total_steps,
                          autocast=uses_autocast(cfg, devices[0]),
                          configure=getattr(task, "configure_optimizer", None))
     trainer = Trainer(cfg, world, task, model, optim, data,

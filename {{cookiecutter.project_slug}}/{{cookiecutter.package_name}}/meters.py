@@ -23,8 +23,7 @@ class Progress:
     """A tqdm bar on rank 0 when asked for (and tqdm is installed); otherwise it does nothing."""
 
     def __init__(self, enabled: bool) -> None:
-        self.bar = None
-        self.enabled = enabled
+        self.bar, self.enabled = None, enabled
         if enabled:
             try:
                 from tqdm import tqdm
@@ -99,10 +98,8 @@ class StepProfiler:
 
     def __init__(self, steps: tuple[int, int] | None, output_dir: str | Path, enabled: bool,
                  device: torch.device) -> None:
-        self.steps = steps if enabled else None
-        self.folder = Path(output_dir) / "profile"
-        self.device = device
-        self.profile: Any = None
+        self.steps, self.folder = steps if enabled else None, Path(output_dir) / "profile"
+        self.device, self.profile = device, None
 
     def step_done(self, step: int) -> None:
         """Call after optimizer step `step` (and with the first step's number minus one before
@@ -131,9 +128,7 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""  # CPU: None
     if ("H100" in name or "H200" in name) and ("PCIe" in name or "NVL" in name):
         return None
     return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
@@ -149,8 +144,7 @@ class Throughput:
                  devices: int) -> None:
         count = getattr(task, "tokens_per_sample", None)
         self.tokens_per_sample = count(cfg) if count else None
-        cost = getattr(task, "flops_per_token", None)
-        peak = peak_flops(device)
+        cost, peak = getattr(task, "flops_per_token", None), peak_flops(device)
         self.flops_per_s_peak = peak * devices if peak else None
         self.flops_per_token = cost(model, cfg) if cost and peak else None
 
@@ -166,11 +160,10 @@ class Throughput:
 
 class LogStats:
     """One all_reduce for a log step, started without waiting: each logged value's sum over ranks
-    and batches and its count (their mean), whether any rank was asked to stop, and every rank's
-    peak memory and digest of its values' names (each rank fills its own slots: a gather). The
-    values have fixed slots, by name: ranks whose steps logged other names still agree, and their
-    digests tell. On a GPU (`queued`: NCCL on the stream) its copy to the host is queued too, so
-    `result()` waits for the copy alone, not for the steps queued after it."""
+    and batches and its count, whether any rank was asked to stop, and every rank's peak memory
+    and digest of its values' names (its own slots: a gather), which tells ranks that logged
+    other names. On a GPU (`queued`: NCCL) its copy to the host is queued too: `result()` waits
+    for the copy alone, not for the steps queued after it."""
 
     def __init__(self, sums: dict[str, torch.Tensor], counts: dict[str, int], signum: int | None,
                  record: dict[str, Any], device: torch.device, comm_device: torch.device,

@@ -1,5 +1,5 @@
-"""What a run reports, and when: every --log-every steps the mean loss over ranks (the loop's one
-collective besides DDP's own, where the ranks also agree on a stop), and at the end
+"""What a run reports, and when: every --log-every steps the mean loss over ranks (one collective,
+where the ranks also agree on a stop), before saves the check of the weights, and at the end
 summary.json, --step-times and the closing lines. Rank 0 writes metrics.jsonl, summary.json,
 config.json and the tracker; the other ranks' writers are silent."""
 
@@ -9,7 +9,7 @@ import json
 import math
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +30,11 @@ OWN_FIELDS = frozenset({"step", "epoch", "lr", "samples_per_s", "tokens_per_s", 
 
 
 class Metrics:
-    """The loop's reporting. `runtime` is the loop's Runtime; `lr` reads the learning rate;
-    `newest_checkpoint` says where the newest good checkpoint is (for a NaN loss)."""
+    """The loop's reporting. `lr` reads the learning rates; `newest_checkpoint` names the newest
+    good checkpoint (for a NaN loss)."""
 
     def __init__(self, cfg: Config, world: World, runtime: Any, comm_device: torch.device,
-                 throughput: Throughput, lr: Callable[[], float],
+                 throughput: Throughput, lr: Callable[[], dict[str, float]],
                  newest_checkpoint: Callable[[], str]) -> None:
         self.cfg, self.world, self.throughput = cfg, world, throughput
         self.device, self.comm_device = runtime.device, comm_device
@@ -51,8 +51,7 @@ class Metrics:
         self.stopped_by: str | None = None  # the signal's name, once every rank agreed to stop
         self.stop_signal = signal.SIGTERM  # the exit code of a stopped run is 128 + this
         self.first_step_s: float | None = None
-        self.peak_mem_mb: list[float] = []  # every rank's, from the last log step
-        self.peak_reserved_mb: list[float] = []
+        self.peak_mem_mb, self.peak_reserved_mb = [], []  # every rank's, at the last log step
         self.summary_path: Path | None = None
         # Each logged value's sum over the batches since the last log, on the device, and count.
         self._sums: dict[str, torch.Tensor] = {}
@@ -61,8 +60,7 @@ class Metrics:
         self._pending: LogStats | None = None  # a log step's all_reduce, read one step later
 
     def open(self, resumed: bool) -> None:
-        """Rank 0 opens metrics.jsonl, the tracker and config.json; every rank learns whether
-        that worked."""
+        """Rank 0 opens metrics.jsonl, the tracker and config.json; every rank learns the result."""
         with self.lifeline.waiting("rank 0 to start the metrics and tracker",
                                    "check rank 0's output"):
             agree(lambda: self._open(resumed), self.comm_device)
@@ -93,11 +91,9 @@ class Metrics:
         self.progress.start(epoch, total, done)
 
     def batch_done(self, values: dict[str, torch.Tensor], samples: int) -> None:
-        """A batch's logged values (the loss, its parts): they stay on the device, no host sync
-        until the log step."""
+        """A batch's logged values (the loss, its parts): on the device until the log step."""
         for name, value in values.items():
-            total = self._sums.get(name)
-            if total is None:
+            if (total := self._sums.get(name)) is None:
                 kind = torch.promote_types(value.dtype, torch.float32)  # float64 stays so
                 total = self._sums[name] = torch.zeros((), dtype=kind, device=value.device)
             total += value.detach() if value.dim() == 0 else value.detach().reshape(())
@@ -107,9 +103,8 @@ class Metrics:
 
     def step_done(self, step: int, epoch: int, last: bool) -> None:
         """After optimizer step `step`: the clocks; the log every --log-every steps and at the last
-        step of an epoch and of the run (`last`). No rank waits for a log step's all_reduce: all
-        read it one step later, so all stop at the same step; `settle()` reads it before a save
-        (never a checkpoint of a NaN loss), an evaluation and the end."""
+        step of an epoch and of the run (`last`). Its all_reduce is read one step later, by every
+        rank (all stop at the same step), or before a save, an evaluation and the end."""
         self.clock.tick()
         self.profiler.step_done(step)
         self.settle()
@@ -118,23 +113,36 @@ class Metrics:
             if last:
                 self.settle()
 
-    def check_finite(self, step: int, params: Iterable[torch.Tensor]) -> None:
-        """Before a save: the values since the last log step (which checked the rest) and the
-        weights are finite on every rank, or the run stops here, naming the newest good
-        checkpoint: a checkpoint of nan weights would replace the good ones. No host sync per
-        step: the sums kept for the log are the flag."""
-        zero = torch.zeros((), device=self.comm_device)
-        loss = self._sums.get("loss", zero).to(self.comm_device, torch.float64)
-        parts = sum((~v.isfinite()).to(self.comm_device) for k, v in self._sums.items()
-                    if k != "loss")
-        weights = sum((~local_part(p).isfinite()).sum().to(self.comm_device)
-                      for p in params)  # fsdp: each rank checks its own shards
-        flags = torch.stack([loss, zero + parts, zero + weights])
-        dist.all_reduce(flags)
-        loss_sum, parts_bad, weights_bad = flags.tolist()
+    def check_weights(self, step: int, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Before a save and every --check-replicas-every steps, in one all_gather: the values
+        since the last log step and the weights are finite, and the ranks meant to hold the same
+        weights (plain fsdp: none; HSDP: a shard's replicas) have the same sum of each parameter
+        (SPEC §10); else the run stops before a bad checkpoint replaces the newest good one."""
+        mesh = getattr(named[0][1], "device_mesh", None)
+        zero = torch.zeros((), device=self.comm_device, dtype=torch.float64)
+        mine = torch.cat([torch.stack([self._sums.get("loss", zero).to(zero), zero + sum(
+            (~v.isfinite()).to(zero) for k, v in self._sums.items() if k != "loss"),
+            zero + self.world.rank % (mesh.shape[-1] if mesh is not None else 1)]),  # its group
+            torch.stack([local_part(p).detach().sum(dtype=torch.float32) for _, p in named]).to(
+                zero)])  # (float32: fast; nan or inf where a weight is)
+        rows = [torch.empty_like(mine) for _ in range(self.world.world_size)]
+        dist.all_gather(rows, mine)
+        rows = torch.stack(rows).cpu()
+        loss_sum, parts_bad = rows[:, :2].sum(0).tolist()
         what = (f"the loss became {loss_sum}" if not math.isfinite(loss_sum) else
                 "a logged loss part became nan or inf" if parts_bad else
-                "the weights became nan or inf" if weights_bad else "")
+                "the weights became nan or inf" if not rows[:, 3:].isfinite().all() else "")
+        groups = rows[:, 2].tolist()
+        first = [groups.index(g) for g in groups]  # the lowest rank of each rank's group
+        if not what and (differ := (rows[:, 3:] != rows[first, 3:]).nonzero().tolist()):
+            r, i = min(differ, key=lambda d: d[::-1])  # the first parameter that differs
+            a, b = rows[first[r], 3 + i].item(), rows[r, 3 + i].item()
+            raise RunFailure(f"the ranks' weights differ at step {step}: '{named[i][0]}' sums to "
+                             f"{a} on rank {first[r]} and {b} on rank {r} ({abs(a - b):.3g} apart;"
+                             f" {len({d[1] for d in differ})} of {len(named)} parameters "
+                             "differ): a step changed weights on some ranks only (docs/custom-"
+                             f"step.md); {self.newest_checkpoint()}; nothing was saved after it",
+                             everywhere=True)
         if what:
             raise RunFailure(f"{what} by step {step}; {self.newest_checkpoint()}; nothing was "
                              "saved after it; lower --lr, use --clip-grad, or check the data",
@@ -153,7 +161,7 @@ class Metrics:
         stop request; `settle()` finishes it. Every rank takes part, whatever its step logs."""
         now = time.perf_counter()
         samples_per_s = self._samples * self.world.world_size / max(now - self._last_log_time, 1e-9)
-        record = {"step": step, "epoch": epoch, **dict.fromkeys(self._sums), "lr": self.lr(),
+        record = {"step": step, "epoch": epoch, **dict.fromkeys(self._sums), **self.lr(),
                   "samples_per_s": round(samples_per_s, 1),
                   **self.throughput.of(samples_per_s), "time_s": round(now - self._start, 3)}
         self._pending = LogStats(self._sums, self._counts, self.lifeline.stop_signal, record,

@@ -41,9 +41,8 @@ class Optimizers(dict):
     several). Their state in a file checkpoint: the one optimizer's state_dict, or one per name."""
 
     def state_dict(self) -> dict[str, Any]:
-        if list(self) == ["default"]:
-            return self["default"].state_dict()
-        return {name: optimizer.state_dict() for name, optimizer in self.items()}
+        states = {name: optimizer.state_dict() for name, optimizer in self.items()}
+        return states["default"] if list(self) == ["default"] else states
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, optimizer in self.items():
@@ -52,14 +51,11 @@ class Optimizers(dict):
 
 class Optimization:
     """The optimizers with their schedules, autocast and (fp16 only) one GradScaler, behind the
-    calls of a step: `autocast()` around the forward, `backward(loss)`, `update(name)` for each
-    optimizer that steps, and `finish_step()` once per step.
+    calls of a step: `autocast()`, `backward(loss)`, `update(name)`, and `finish_step()`.
 
-    The optimizer is AdamW over every trainable parameter, or what `configure(model, cfg)` returns
-    (task.configure_optimizer, given the user's model without DDP's wrapper): an optimizer,
-    parameter groups allowed, an (optimizer, scheduler) pair, or `{name: either}` over parts of
-    the model. Without a scheduler of its own, --lr-schedule and --warmup-steps scale each group's
-    learning rate. Every scheduler steps with its optimizer; their state is in every checkpoint."""
+    AdamW over every trainable parameter, or what task.configure_optimizer returns for the user's
+    module: an optimizer, an (optimizer, scheduler) pair, or `{name: either}` over parts of it.
+    Without a scheduler of its own, --lr-schedule and --warmup-steps scale its learning rate."""
 
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device, total_steps: int,
                  autocast: bool = True, configure: Callable | None = None) -> None:
@@ -90,9 +86,8 @@ class Optimization:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         # In fp32 skip autocast altogether: even a disabled autocast costs microseconds a step.
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+        return contextlib.nullcontext() if self.amp_dtype is None else torch.autocast(
+            self.device.type, dtype=self.amp_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
@@ -115,9 +110,8 @@ class Optimization:
 
     def named(self, name: str | None) -> str:
         """`name` when there is such an optimizer (None: the only one), else one error line."""
-        if name is None and len(self.optimizers) == 1:
-            return self.only
-        if name in self.optimizers:
+        if (name := self.only if name is None and len(self.optimizers) == 1 else name) in \
+                self.optimizers:
             return name
         have = ", ".join(f"'{n}'" for n in self.optimizers)
         raise UsageError(f"task.train_step: no optimizer {name!r}: task.configure_optimizer "
@@ -141,8 +135,10 @@ class Optimization:
             self.ema.update()
         return True
 
-    def lr(self) -> float:
-        return next(iter(self.schedulers.values())).get_last_lr()[0]
+    def lr(self) -> dict[str, float]:
+        """The learning rates to log: `lr` the first optimizer's, `lr_<name>` the others'."""
+        return {f"lr_{name}" if i else "lr": s.get_last_lr()[0]
+                for i, (name, s) in enumerate(self.schedulers.items())}
 
     def state_dict(self) -> dict[str, Any]:
         """Schedulers and scaler (the optimizers' own state is saved with the model)."""
@@ -157,8 +153,9 @@ class Optimization:
             there, here = (", ".join(f"'{n}' ({k})" for n, k in kinds.items())
                            for kinds in (saved, self.kinds))
             raise UsageError(f"checkpoint {path} holds the optimizers (schedules) {there}; "
-                             f"task.py gives {here}; use --resume never to start over, or "
-                             "another --checkpoint-dir", everywhere=True)
+                             f"task.py gives {here}; use --resume weights-only to go on from "
+                             "its weights with fresh optimizers, --resume never to start over, "
+                             "or another --checkpoint-dir", everywhere=True)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         one = list(self.schedulers) == ["default"]

@@ -1,22 +1,21 @@
 """Where the model lives: the three layouts of --model-layout.
 
 - data_parallel: the whole model on one device per process, wrapped in DDP.
-- model_parallel_2: the model split over two devices per process (the second half of its blocks
-  on the second device), then DDP without device_ids.
+- model_parallel_2: the second half of the model's blocks on a second device, then DDP.
 - fsdp: FSDP2 (`fully_shard`) on each block and on the root: parameters, gradients and optimizer
-  state are sharded across ranks, and gathered block by block for the forward and backward.
-  Across nodes, by default, each node's ranks share one sharded copy and the nodes replicate it
-  (HSDP, a 2-D mesh): the all-gathers stay inside a node, only gradients cross the network.
+  state sharded across ranks, gathered block by block. Across nodes, by default, each node's
+  ranks share one sharded copy and the nodes replicate it (HSDP, a 2-D mesh).
 
-A model tells the last two layouts where its blocks are through `blocks(model)` in task.py (a
-plain `nn.Sequential` needs nothing: its children are its blocks)."""
+task.py's `blocks(model)` says where the blocks are (an `nn.Sequential`'s children are)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,10 +61,8 @@ def second_stage(model: nn.Module, blocks: list[nn.Module]) -> set[nn.Module]:
 
 
 def split_over_two(model: nn.Module, blocks: list[nn.Module], devices: list[torch.device]) -> None:
-    """Put the second half of the blocks, and every module registered after the last block, on
-    devices[1]; the rest on devices[0]. Every module with weights of its own moves its inputs to
-    its device, so activations cross over wherever the forward pass goes; the output comes back
-    to devices[0], where the batch is."""
+    """second_stage(...) on devices[1], the rest on devices[0]. A module with weights of its own
+    moves its inputs to its device, whatever calls it; the model's output comes to devices[0]."""
     model.to(devices[0])
     for module in second_stage(model, blocks):
         module.to(devices[1])
@@ -85,10 +82,8 @@ def _check_compile() -> None:
 
 def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task: Any,
                 is_main: bool, local_world_size: int = 0) -> nn.Module:
-    """The model placed by --model-layout; returns what the training loop calls.
-
-    The model was built on the CPU by task.build_model; the optimizer is built after this, on the
-    parameters as placed (and, for fsdp, sharded)."""
+    """The model (built on the CPU) placed by --model-layout; returns what the loop calls. The
+    optimizer is built after this, on the parameters as placed (and, for fsdp, sharded)."""
     if cfg.sync_bn:
         if devices[0].type == "cuda":
             # Batch statistics over the global batch; only the CUDA kernels support it.
@@ -145,7 +140,7 @@ def rows_on_rank(p: torch.Tensor, shards: int) -> int:
 def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
                  is_main: bool, shard: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if importlib.util.find_spec("numpy") is None:
         raise UsageError("--model-layout fsdp saves checkpoints with torch.distributed.checkpoint, "
@@ -171,8 +166,26 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
         if cfg.compile:
             block.compile()  # compile each block before sharding it, as torchtitan does
         fully_shard(block, **kwargs)
+    inside, custom = {p for b in blocks for p in b.parameters()}, hasattr(task, "train_step")
+    for child in model.children() if custom else []:  # a step may call one: it gathers itself
+        if child not in blocks and set(child.parameters()) - inside:
+            fully_shard(child, **kwargs)
     fully_shard(model, **kwargs)
+    if custom:
+        model._get_fsdp_state()._lazy_init()  # the root is root, whichever unit runs first
+        for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+            for group in getattr(unit._get_fsdp_state(), "_fsdp_param_groups", ()):
+                group.post_backward = functools.partial(_post_backward, group, group.post_backward)
     return model
+
+
+def _post_backward(group: Any, post_backward: Callable, *args: Any) -> None:
+    """FSDP2's post-backward of one unit, except that a backward that builds a graph (a gradient
+    penalty's create_graph) leaves the gathered weights to the backward through that graph."""
+    keep = group.reshard_after_backward
+    group.reshard_after_backward = keep and not torch.is_grad_enabled()
+    post_backward(*args)
+    group.reshard_after_backward = keep
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -189,15 +202,13 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> Any:
     inner = getattr(model, "_orig_mod", model)
     if isinstance(inner, DDP):
         return inner.no_sync()
-    return _FsdpNoSync(inner)
+    return _fsdp_no_sync(inner)
 
 
-class _FsdpNoSync:
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def __enter__(self) -> None:
-        self.model.set_requires_gradient_sync(False)
-
-    def __exit__(self, *exc: object) -> None:
-        self.model.set_requires_gradient_sync(True)
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -1,15 +1,10 @@
 """One training step: `Step`, what a step function is given for one batch, and the default step.
 
-The loop calls the step function once per batch: `task.train_step(step, batch)` when task.py
-defines one, else `plain_step(task.loss_fn)` below, which is all of plain training: the forward
-(task.loss_fn), the backward and one optimizer's update. A step of your own (a GAN, SAM, a frozen
-teacher) makes the same calls; docs/custom-step.md has worked examples.
-
-A run's step is one accumulation group (one batch without --grad-accum). The step function runs
-once for each batch of the group; `backward` weights a batch's loss by its share of the group's
-samples, gradients are exchanged at the group's last batch only, and `update` steps an optimizer
-there only (before, it does nothing). Then the fp16 loss scale is updated once and the EMA (--ema-
-decay) averages the new weights once.
+The loop calls `task.train_step(step, batch)` once per batch when task.py defines one, else
+`plain_step(task.loss_fn)` below: the forward, the backward and one optimizer's update
+(docs/custom-step.md). A run's step is one accumulation group (one batch without --grad-accum):
+`backward` weights a batch's loss by its share of the group's samples; gradients are exchanged
+and `update` steps at the group's last batch only; then the fp16 scale and the EMA update once.
 """
 
 from __future__ import annotations
@@ -19,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .config import Config
 from .failures import UsageError
@@ -29,9 +25,8 @@ from .optim import Optimization
 class Step:
     """What a step function is given for one batch:
 
-    model       the model as placed (DDP, fsdp, model_parallel_2): call it for forward passes, so
-                that gradients are exchanged (DDP syncs only what its own forward started)
-    module      your own module (task.build_model's), for its submodules and parameters
+    model       the model as placed (DDP, fsdp, model_parallel_2), for forward passes
+    module      your own module (task.build_model's): its parameters, and submodules to call
     optimizers  the optimizers by name: "default", or the names task.configure_optimizer gives
     cfg         the run's Config
     number      the optimizer steps taken before this one (the first step is 0)
@@ -42,8 +37,8 @@ class Step:
     def __init__(self, model: nn.Module, module: nn.Module, optim: Optimization,
                  cfg: Config) -> None:
         self.model, self.module, self.cfg, self.optim = model, module, cfg, optim
-        self.optimizers = optim.optimizers
-        self.autocast = optim.autocast
+        self.ddp = ddp if isinstance(ddp := getattr(model, "_orig_mod", model), DDP) else None
+        self.optimizers, self.autocast = optim.optimizers, optim.autocast
         self.number, self.weight, self.last = 0, 1.0, True
 
     def begin(self, number: int, weight: float, last: bool) -> None:
@@ -51,17 +46,21 @@ class Step:
         self.number, self.weight, self.last = number, weight, last
 
     def backward(self, loss: torch.Tensor) -> None:
-        """`loss.backward()`, with fp16's loss scaling and the batch's weight in its group."""
+        """`loss.backward()`, with fp16's loss scaling and the batch's weight in its group. DDP's
+        reducer is readied from the loss, as Lightning does: gradients are exchanged whatever
+        path the forward took (step.model, or submodules of step.module called directly)."""
+        if (ddp := self.ddp) is not None and ddp.require_backward_grad_sync:  # not in no_sync
+            ddp.reducer._rebuild_buckets()  # (once, at the second step) as DDP's forward does
+            ddp.reducer.prepare_for_backward(
+                [loss] if ddp.find_unused_parameters and not ddp.static_graph else [])
         self.optim.backward(loss if self.weight == 1.0 else loss * self.weight)
 
     def update(self, name: str | None = None) -> None:
         """At the group's last batch, optimizer `name` (None: the only one) steps: its gradients
         are unscaled (fp16) and clipped (--clip-grad), it steps, they are zeroed, its schedule
         steps. Before the last batch it does nothing."""
-        if self.last:
-            self.optim.update(name)
-        else:
-            self.optim.named(name)  # a name that does not exist is an error at every batch
+        # (before it, a name that does not exist is an error all the same)
+        (self.optim.update if self.last else self.optim.named)(name)
 
 
 def plain_step(loss_fn: Callable, optimizers: dict) -> Callable[[Step, Any], dict[str, Any]]:
@@ -72,16 +71,15 @@ def plain_step(loss_fn: Callable, optimizers: dict) -> Callable[[Step, Any], dic
                          "default step updates one: define train_step(step, batch) in task.py, "
                          "calling step.update(name) for each (docs/custom-step.md)",
                          everywhere=True)
-    checked = False
+    checked: list[bool] = []
 
     def train_step(step: Step, batch: Any) -> dict[str, torch.Tensor]:
-        nonlocal checked
         with step.autocast():
             loss = loss_fn(step.model, batch)
         loss, parts = loss if type(loss) is tuple else (loss, None)
         if not checked:  # once: the same code gives the same kind of loss every time
             check_loss(loss)
-            checked = True
+            checked.append(True)
         step.backward(loss)
         step.update()
         return {"loss": loss, **check_values(parts or {}, "task.loss_fn's parts",

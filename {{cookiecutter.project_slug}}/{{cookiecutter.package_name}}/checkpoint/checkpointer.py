@@ -38,9 +38,7 @@ from .resume import (
 
 class Checkpointer:
     """Saves and resumes one run. `loop_state`, passed to each save, gives the loop's part of a
-    checkpoint (its position, last loss, tracker run and model selection) at that moment. It is
-    not kept: a Checkpointer holding the Trainer would keep it (and its data workers) alive
-    until the interpreter exits, where their shutdown can hang."""
+    checkpoint; it is not kept (holding the Trainer, and its data workers, can hang the exit)."""
 
     def __init__(self, cfg: Config, world: World, model: nn.Module, optim: Optimization,
                  device: torch.device, comm_device: torch.device, lifeline: Lifeline,
@@ -67,10 +65,9 @@ class Checkpointer:
     def maybe_save(self, step: int, loop_state: Callable[[], dict[str, Any]],
                    last_of_epoch: bool = False, epoch_end: int | None = None,
                    last: bool = False) -> None:
-        """Save if one is due. After step `step`: every --save-every-steps, except at an epoch's
-        last step (its end comes next); at the end of epoch `epoch_end` (counted from 1): every
-        --save-every epochs; `last`: unless this step is saved already. A new best evaluation
-        (`keep_next`) is saved at the next of these."""
+        """Save if one is due: every --save-every-steps, except at an epoch's last step (its end
+        comes next); at the end of epoch `epoch_end` (from 1), every --save-every epochs; `last`:
+        unless saved already. A new best evaluation (`keep_next`) is saved at the next of these."""
         if last:
             due = step != self.saved_step
         elif epoch_end is not None:
@@ -155,18 +152,22 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- resuming
     def resume(self, batches_per_epoch: int) -> dict[str, Any] | None:
-        """Apply --resume: rank 0 takes the checkpoint folder and chooses; every rank loads.
-        Returns the checkpoint's metadata with `position`, the (epoch, batch, step) to go on
-        from; None when there is nothing to resume."""
+        """Apply --resume: rank 0 chooses, every rank loads. Returns the checkpoint's metadata
+        with `position`, the (epoch, batch, step) to go on from; None: nothing to resume."""
         with self.lifeline.waiting("rank 0 to open --checkpoint-dir and choose a checkpoint",
                                    "check that rank 0 is alive and its storage answers",
                                    phase="checkpoint I/O"):
             choice = agree(self._open_and_pick, self.comm_device)
         if choice is None:
             return None
-        path = storage.location(choice)
-        meta = self._load(path)
+        path, fresh = storage.location(choice), self.cfg.resume == "weights-only"
+        meta = self._load(path, fresh)
         self._refuse_nonfinite(path, meta["step"])
+        if fresh:  # a new run from these weights: its own position, and the folder's
+            if self.world.is_main:
+                print(f"--resume weights-only: the weights of {path}; the optimizers, their "
+                      "schedules and the position start afresh", flush=True)
+            return None
         epoch, batch, step = restore_position(meta, self.cfg, self.world.world_size,
                                               batches_per_epoch, path, say=self.world.is_main)
         self.resumed_from, self.saved_step = str(path), step
@@ -206,11 +207,11 @@ class Checkpointer:
         path = pick_checkpoint(self.cfg.resume, self.cfg.checkpoint_dir)
         return None if path is None else str(path)
 
-    def _load(self, path: storage.AnyPath) -> dict[str, Any]:
-        """Every rank: the checkpoint into the model, optimizer, schedule, EMA and comm hook."""
+    def _load(self, path: storage.AnyPath, weights_only: bool) -> dict[str, Any]:
+        """Every rank: the checkpoint into the model, EMA and (unless `weights_only`) the rest."""
         try:
             meta = load_into(path, self.model, self.optim, self.world.world_size,
-                             self.world.rank, self.cfg.batch_size, self.device)
+                             self.world.rank, self.cfg.batch_size, self.device, weights_only)
         except ProjectError:
             raise
         except Exception as exc:  # its metadata read, but not all loads
@@ -218,6 +219,8 @@ class Checkpointer:
                              f"{str(exc).strip().splitlines()[0] if str(exc) else ''}); use "
                              "--resume with an older one, or --resume never",
                              everywhere=True) from exc
+        if weights_only:
+            return meta
         self.optim.load_state_dict(meta["optim"])
         if self.comm_hook is not None and meta.get("comm_hook") is not None:
             note = self.comm_hook.load_state_dict(meta["comm_hook"], self.world.rank,

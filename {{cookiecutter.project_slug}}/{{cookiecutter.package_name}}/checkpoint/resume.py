@@ -25,17 +25,16 @@ if TYPE_CHECKING:
 
 # ---------------------------------------------------------------------- which checkpoint
 def pick_checkpoint(resume: str, directory: str) -> storage.AnyPath | None:
-    """What --resume asks for (rank 0): never -> None, auto -> the newest that reads, or PATH."""
+    """What --resume asks for (rank 0): never -> None, auto, weights-only -> the newest, or PATH."""
     if resume == "never":
         return None
-    if resume != "auto":
+    if resume not in ("auto", "weights-only"):
         path = storage.location(resume)
         if inside := (list_checkpoints(path) if not is_complete(path) else []):
             raise UsageError(f"--resume {resume} is a folder of checkpoints, not one; name one of "
                              f"them (the newest is {inside[0]}), or use --resume auto "
                              f"--checkpoint-dir {resume}")
-        why = unreadable(path, resuming=True)
-        if why and not path.exists():  # (a local path was checked with the flags)
+        if (why := unreadable(path, resuming=True)) and not path.exists():  # (local: checked)
             raise UsageError(f"--resume {resume}: {why}; name a checkpoint there, or use "
                              f"--resume auto --checkpoint-dir URL for the newest in a folder")
         if why:
@@ -43,12 +42,14 @@ def pick_checkpoint(resume: str, directory: str) -> storage.AnyPath | None:
                              "or use --resume auto")
         return path
     for path in list_checkpoints(directory):
-        why = unreadable(path, resuming=True)
-        if why is None:
+        if (why := unreadable(path, resuming=True)) is None:
             return path
         # A kill during a copy, a full disk: fall back to the one before.
         print(f"warning: skipping unreadable checkpoint {path} ({why})", file=sys.stderr,
               flush=True)
+    if resume == "weights-only":
+        raise UsageError(f"--resume weights-only: no checkpoint in {storage.shown(directory)} to "
+                         "take the weights of; give --checkpoint-dir the run's folder")
     return None
 
 
@@ -91,22 +92,23 @@ def saved_model(path: Path) -> dict[str, Any]:
 
 
 def load_into(path: Path, model: torch.nn.Module, optim: Optimization, world_size: int,
-              rank: int, batch_size: int, device: torch.device) -> dict[str, Any]:
+              rank: int, batch_size: int, device: torch.device,
+              weights_only: bool = False) -> dict[str, Any]:
     """Load a checkpoint (file or folder, from any layout) into this rank's model, optimizers and
-    EMA; returns its metadata. Random states are restored when the world and batch size are the
-    same: then the run continues bit for bit."""
+    EMA (`weights_only`: model and EMA); returns its metadata. Random states are restored when
+    the world and batch size are the same: then the run continues bit for bit."""
     from . import sharded  # torch.distributed.checkpoint: imported by the runs that resume
-    ema = optim.ema
+    ema, optimizers = optim.ema, type(optim.optimizers)() if weights_only else optim.optimizers
+    check = (lambda meta, path: None) if weights_only else optim.check_saved
     if path.is_dir():
-        optim.check_saved(meta := read_meta(path), path)
+        check(meta := read_meta(path), path)
         extra = {"ema": ema.state_dict()} if ema is not None and meta.get("has_ema") else {}
-        rng = sharded.load(path, model, optim.optimizers, extra)
-        saved_ema = extra.get("ema")
+        rng, saved_ema = sharded.load(path, model, optimizers, extra), extra.get("ema")
     else:
         state = load_checkpoint(path, map_location="cpu")
         check_same_shapes(model.state_dict(), state["model"], path)
-        optim.check_saved(state, path)
-        sharded.set_full_state(model, optim.optimizers, state["model"], state["optimizer"])
+        check(state, path)
+        sharded.set_full_state(model, optimizers, state["model"], state["optimizer"])
         meta, rng, saved_ema = state, state.get("rng"), state.get("ema")
     if ema is not None and saved_ema:
         ema.load_state_dict(saved_ema)
@@ -145,7 +147,7 @@ def restore_position(meta: dict[str, Any], cfg: Config, world_size: int, batches
 
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """Settings that differ from the checkpoint's run as 'key: old -> new', the task's included."""
-    launch_only = {"resume", "config", "nprocs", "local_rank", "task", "given"}
+    launch_only = {"resume", "config", "nprocs", "local_rank", "task", "given", "total_steps"}
     saved, now = {**saved, **saved.get("task", {})}, {**now, **now.get("task", {})}
     return [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in now
             if key in saved and key not in launch_only and saved[key] != now[key]]
