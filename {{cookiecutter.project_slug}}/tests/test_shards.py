@@ -165,8 +165,8 @@ def bucket_set(s3, tmp_path_factory) -> str:
 
 @pytest.mark.full
 @needs_s3
-@pytest.mark.parametrize("where, layout", [("bucket", "data_parallel"), ("folder", "data_parallel"),
-                                           pytest.param("bucket", "fsdp", marks=needs_numpy)])
+@pytest.mark.parametrize("where, layout", [("bucket", "data_parallel"),
+                                           pytest.param("folder", "fsdp", marks=needs_numpy)])
 def test_a_killed_run_resumes_bit_for_bit(tmp_path, s3, bucket_set, where, layout):
     """2 processes, 2 data workers each, shards from the bucket through the cache (or from a
     folder); SIGKILL after the step-4 checkpoint, the same command again: the uninterrupted run's
