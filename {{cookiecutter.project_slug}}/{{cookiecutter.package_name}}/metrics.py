@@ -57,6 +57,7 @@ class Metrics:
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, int] = {}
         self._samples, self._samples_total = 0, 0  # this rank's, since the last log; in all
+        self._checked_at = -1  # the step whose weights check_weights passed last
         self._pending: LogStats | None = None  # a log step's all_reduce, read one step later
 
     def open(self, resumed: bool) -> None:
@@ -118,6 +119,8 @@ class Metrics:
         since the last log step and the weights are finite, and the ranks meant to hold the same
         weights (plain fsdp: none; HSDP: a shard's replicas) have the same sum of each parameter
         (SPEC §10); else the run stops before a bad checkpoint replaces the newest good one."""
+        if step == self._checked_at:  # a replica check, then a save: the same weights
+            return
         mesh = getattr(named[0][1], "device_mesh", None)
         zero = torch.zeros((), device=self.comm_device, dtype=torch.float64)
         mine = torch.cat([torch.stack([self._sums.get("loss", zero).to(zero), zero + sum(
@@ -147,6 +150,7 @@ class Metrics:
             raise RunFailure(f"{what} by step {step}; {self.newest_checkpoint()}; nothing was "
                              "saved after it; lower --lr, use --clip-grad, or check the data",
                              everywhere=True)
+        self._checked_at = step
 
     def end_epoch(self) -> None:
         self.settle()

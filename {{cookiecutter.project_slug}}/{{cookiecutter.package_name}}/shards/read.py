@@ -66,8 +66,10 @@ def shard_parts(cfg: Any, train: Callable | None = None, val: Callable | None = 
                 seq_len: int = 0) -> tuple[ShardSet, ShardSet | None]:
     """--data's training and validation parts (None without validation samples), with the
     transforms of each (images) or the window length (tokens)."""
-    parts = [ShardSet(cfg.data, cfg, part, f, seq_len) for part, f in (("train", train),
-                                                                        ("val", val))]
+    index = read_index(cfg.data)
+    check_files(storage.location(cfg.data), cfg.data, index)  # one listing for both parts
+    parts = [ShardSet(cfg.data, cfg, part, f, seq_len, index) for part, f in (("train", train),
+                                                                               ("val", val))]
     return parts[0], parts[1] if len(parts[1]) else None
 
 
@@ -76,9 +78,9 @@ class ShardSet(Dataset):
     `transform(file_bytes, label)`; tokens as windows of `seq_len` + 1 ids."""
 
     def __init__(self, data: str, cfg: Any, part: str, transform: Callable | None = None,
-                 seq_len: int = 0) -> None:
+                 seq_len: int = 0, index: dict[str, Any] | None = None) -> None:
         self.data, self.transform, self.seq_len = data, transform, seq_len
-        self.index = read_index(data)
+        self.index = index or read_index(data)  # given: read and checked by the caller
         self.images = self.index["kind"] == "images"
         self.window, self.root = cfg.shuffle_window, storage.location(data)
         self.cache = (Cache(self.root, cfg.shard_cache, cfg.shard_cache_gb, self.index)
@@ -91,7 +93,8 @@ class ShardSet(Dataset):
         self.starts = [0]
         for first, end in self.ranges:
             self.starts.append(self.starts[-1] + end - first)
-        check_files(self.root, data, self.index)
+        if index is None:
+            check_files(self.root, data, self.index)
         self._files: dict[str, Any] = {}  # open shard files
         self._rows: dict[str, list[int]] = {}
         self.summary = ({"tokenizer": self.index["tokenizer"]} if not self.images else {})
