@@ -76,13 +76,14 @@ class S3Server:
         return {"AWS_ENDPOINT_URL": endpoint or self.endpoint, "AWS_ACCESS_KEY_ID": self.key_id,
                 "AWS_SECRET_ACCESS_KEY": self.secret, "AWS_DEFAULT_REGION": "us-east-1"}
 
-    def fs(self) -> Any:
-        """An s3fs filesystem on this server that sees every change at once."""
+    def fs(self, endpoint: str | None = None) -> Any:
+        """An s3fs filesystem on this server (or a Proxy's endpoint) that sees every change at
+        once."""
         import s3fs
 
         return s3fs.S3FileSystem(key=self.key_id, secret=self.secret, skip_instance_cache=True,
                                  use_listings_cache=False,
-                                 client_kwargs={"endpoint_url": self.endpoint,
+                                 client_kwargs={"endpoint_url": endpoint or self.endpoint,
                                                 "region_name": "us-east-1"})
 
     def close(self) -> None:
@@ -114,15 +115,17 @@ def _environ() -> dict[str, str]:
 
 class Proxy(ThreadingHTTPServer):
     """Forwards every request to `target` (host, port). An upload (PUT or POST) whose path holds
-    `hold_word` waits, and is never forwarded (`held` is set once one waits); one whose path holds
-    `refuse_word` is answered 403 AccessDenied (counted in `refused`)."""
+    `hold_word` waits, and is never forwarded (`held` is set once one waits), and so does a GET
+    whose path holds `hold_get` (a silent endpoint); one whose path holds `refuse_word` is
+    answered 403 AccessDenied (counted in `refused`)."""
 
     daemon_threads = True
 
     def __init__(self, target: tuple[str, int], hold_word: str = "",
-                 refuse_word: str = "") -> None:
+                 refuse_word: str = "", hold_get: str = "") -> None:
         super().__init__(("127.0.0.1", 0), _Forward)
         self.target, self.hold_word, self.refuse_word = target, hold_word, refuse_word
+        self.hold_get = hold_get
         self.held, self.released = threading.Event(), threading.Event()
         self.refused = 0
         self.endpoint = f"http://127.0.0.1:{self.server_address[1]}"
@@ -167,7 +170,8 @@ class _Forward(BaseHTTPRequestHandler):
     def _any(self) -> None:
         body, proxy = self._body(), self.server
         upload = self.command in ("PUT", "POST")
-        if upload and proxy.hold_word and proxy.hold_word in self.path:
+        held = proxy.hold_get if self.command == "GET" else proxy.hold_word if upload else ""
+        if held and held in self.path:
             proxy.held.set()
             proxy.released.wait()
             self.close_connection = True

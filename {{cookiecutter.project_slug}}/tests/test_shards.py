@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,7 @@ def test_careless_inputs_are_one_line(tmp_path, monkeypatch):
     cfg = config(str(tmp_path / "set"))
     with pytest.raises(UsageError, match="is smaller than one shard of s3://b/set"):
         read.Cache(read.storage.RemotePath("s3://b/set", fs=object()), str(tmp_path / "c"),
-                   1e-9, index)
+                   1e-9, index, 300)
     (tmp_path / "set" / "00001.idx").unlink()
     with pytest.raises(UsageError, match="shard file 00001.idx is missing .* prepare the shard "):
         ShardSet(cfg.data, cfg, "train", as_stored)
@@ -131,10 +132,39 @@ def test_careless_inputs_are_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setattr(read.time, "sleep", lambda s: None)
     cache = read.Cache(read.storage.RemotePath("s3://b/set", fs=Gone()), str(tmp_path / "c"),
-                       1, index)
+                       1, index, 300)
     with pytest.raises(RunFailure, match="cannot read shard file 00000.bin after 4 tries "
                                          r"\(ConnectionError: endpoint went away\); run the same"):
         cache.get("00000.bin")
+
+
+@needs_s3
+def test_a_silent_or_vanished_endpoint_ends_a_shard_download_within_the_timeout(tmp_path, s3):
+    """A GET the endpoint never answers (held by the proxy), then an endpoint that is gone
+    (connection refused): one line each, within about --timeout-s, no partial file left."""
+    from s3server import Proxy
+    prepare(str(image_folder(tmp_path / "images", 8)), str(tmp_path / "set"), 0.001,
+            progress=False)
+    s3.fs().put(str(tmp_path / "set"), "bkt/silent", recursive=True)
+    index = json.loads((tmp_path / "set" / "index.json").read_text())
+    proxy = Proxy(("127.0.0.1", s3.port), hold_get="00000.bin")
+    cache = read.Cache(read.storage.RemotePath("s3://bkt/silent", s3.fs(proxy.endpoint)),
+                       str(tmp_path / "c"), 1, index, 3)
+    try:
+        assert cache.get("00001.bin").read_bytes() == (tmp_path / "set/00001.bin").read_bytes()
+        started = time.monotonic()
+        with pytest.raises(RunFailure, match="^--data s3://bkt/silent: cannot read shard file "
+                           "00000.bin: the storage did not answer within --timeout-s 3 s; "
+                           "check the endpoint and the network, or raise --timeout-s$"):
+            cache.get("00000.bin")
+        assert proxy.held.is_set() and time.monotonic() - started < 12
+    finally:
+        proxy.close()
+    started = time.monotonic()
+    with pytest.raises(RunFailure, match="cannot read shard file 00000.bin") as gone:
+        cache.get("00000.bin")
+    assert "\n" not in str(gone.value) and time.monotonic() - started < 12, str(gone.value)
+    assert [p.name for p in cache.folder.iterdir()] == ["00001.bin"]
 
 
 @pytest.mark.full

@@ -30,7 +30,7 @@ from ..checkpoint import storage
 from ..failures import RunFailure, UsageError
 from . import INDEX, TOKENIZER
 
-TRIES = 4  # a download that fails is tried this often, with a growing pause, before the run stops
+TRIES = 4  # a failing download is tried this often, pauses growing, all within --timeout-s
 
 
 def is_shard_set(data: str | None) -> bool:
@@ -83,8 +83,8 @@ class ShardSet(Dataset):
         self.index = index or read_index(data)  # given: read and checked by the caller
         self.images = self.index["kind"] == "images"
         self.window, self.root = cfg.shuffle_window, storage.location(data)
-        self.cache = (Cache(self.root, cfg.shard_cache, cfg.shard_cache_gb, self.index)
-                      if isinstance(self.root, storage.RemotePath) else None)
+        self.cache = (Cache(self.root, cfg.shard_cache, cfg.shard_cache_gb, self.index,
+                            cfg.timeout_s) if isinstance(self.root, storage.RemotePath) else None)
         self.ranges = []  # per shard: (first, end) of this part's samples in it
         for shard in self.index["shards"]:
             n = shard["samples"] if self.images else max(0, (shard["samples"] - 1) // seq_len)
@@ -166,8 +166,8 @@ class Cache:
     """A URL's shards on this machine's disk, at most `gb` GiB: the least recently used go."""
 
     def __init__(self, root: storage.RemotePath, folder: str, gb: float,
-                 index: dict[str, Any]) -> None:
-        self.root, self.limit = root, int(gb * 2**30)
+                 index: dict[str, Any], timeout_s: float) -> None:
+        self.root, self.limit, self.timeout_s = root, int(gb * 2**30), timeout_s
         self.folder = Path(folder).expanduser() / hashlib.sha256(root.url.encode()).hexdigest()[:12]
         self.sizes = {f"{s['name']}.{kind}": s[key] for s in index["shards"]
                       for kind, key in (("bin", "bytes"), ("idx", "idx_bytes")) if key in s}
@@ -183,17 +183,22 @@ class Cache:
             return path
         self._make_room(self.sizes.get(file, 0))
         tmp = path.with_name(f".{file}.{os.getpid()}.tmp")
+        deadline = time.monotonic() + self.timeout_s  # the peers wait no longer for this rank
         for attempt in range(TRIES):
-            try:
-                self.root.fs.get_file(f"{self.root.key}/{file}", str(tmp))
+            failure = storage.within(lambda: self.root.fs.get_file(
+                f"{self.root.key}/{file}", str(tmp)), deadline - time.monotonic())
+            if failure is None:
                 break
-            except Exception as exc:  # the storage client's own retries are spent too
-                if attempt == TRIES - 1:
-                    raise RunFailure(f"--data {self.root.url}: cannot read shard file {file} "
-                                     f"after {TRIES} tries ({storage.reason(exc)}); run the same "
-                                     "command to resume from the newest checkpoint once the "
-                                     "storage works") from None
+            if attempt < TRIES - 1 and time.monotonic() + 2**attempt < deadline:
                 time.sleep(2**attempt)
+                continue
+            tmp.unlink(missing_ok=True)  # a silent try is left running: this process ends now
+            why = (f": the storage did not answer within --timeout-s {self.timeout_s:g} s; check "
+                   "the endpoint and the network, or raise --timeout-s"
+                   if time.monotonic() >= deadline else f" after {attempt + 1} tries "
+                   f"({storage.reason(failure)}); run the same command to resume from the "
+                   "newest checkpoint once the storage works")
+            raise RunFailure(f"--data {self.root.url}: cannot read shard file {file}{why}")
         os.replace(tmp, path)  # whole or absent, for the other ranks and workers here
         return path
 
