@@ -29,9 +29,6 @@ from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints
 from {{ cookiecutter.package_name }}.config import parse_args
 
-GPT2_SMALL = ["--hidden-size", "768", "--num-layers", "12", "--num-heads", "12", "--seq-len",
-              "1024", "--vocab-size", "50304", "--tie-embeddings"]
-
 
 def doc_inputs(root: Path) -> list[str]:
     """What the docs' commands read (tests/test_doc_commands.py): docs/data.md's text, and
@@ -80,8 +77,11 @@ def test_predict_continues_each_prompt(workdir):
     assert len(result.stdout) > len("the \ndata\n") + 40
 
 
-def test_gpt2_small_is_124m_parameters_and_its_flops_per_token():
-    cfg = parse_args([*GPT2_SMALL, "--model-layout", "data_parallel"], task.Settings)
+def test_the_gpt2_small_preset_is_124m_parameters_and_half_a_million_tokens_a_step():
+    cfg = parse_args(["--config", str(PROJECT_ROOT / "configs/gpt2-small.toml"), "--model-layout",
+                      "data_parallel"], task.Settings)
+    assert cfg.batch_size * cfg.grad_accum * task.tokens_per_sample(cfg) == 524_288
+    assert (cfg.precision, cfg.compile) == ("bf16", True)
     with torch.device("meta"):  # sizes only: no memory
         model = task.build_model(cfg)
     assert model.head.weight is model.embed.weight
@@ -90,6 +90,41 @@ def test_gpt2_small_is_124m_parameters_and_its_flops_per_token():
     # 6 x (all weights but the position table) + 12 x layers x width x context.
     expected = 6 * (params - 1024 * 768) + 12 * 12 * 768 * 1024
     assert task.flops_per_token(model, cfg) == expected and task.tokens_per_sample(cfg) == 1024
+
+
+def test_the_loss_keeps_no_float32_copy_of_16_bit_logits():
+    """At GPT-2's vocabulary a float32 copy of the logits outweighs the model's activations: in
+    bf16 the backward pass keeps only the bf16 logits, eager (ChunkedCrossEntropy: the loss bit
+    for bit, gradients within a bf16 rounding) and compiled (inductor fuses the cast)."""
+    cfg = parse_args(["--hidden-size", "16", "--num-layers", "1", "--num-heads", "2",
+                      "--seq-len", "32", "--vocab-size", "50304"], task.Settings)
+    model, windows = task.build_model(cfg), torch.randint(50304, (2, 33))
+    logits = 2 * 32 * 50304
+
+    def kept(forward) -> list[tuple[torch.dtype, int]]:
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t):
+            loss = forward()
+        loss.backward()
+        return [s for s in saved if s[1] >= logits]
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert kept(lambda: task.loss_fn(model, windows)) == [(torch.bfloat16, logits)]
+        if torch._dynamo.is_dynamo_supported():
+            compiled = torch.compile(model)
+            assert kept(lambda: task.loss_fn(compiled, windows)) == [(torch.bfloat16, logits)]
+    x = (3 * torch.randn(300, 50304)).bfloat16().requires_grad_()
+    targets, weights = torch.randint(50304, (300,)), torch.rand(300)
+    grads = []
+    for losses in (task.ChunkedCrossEntropy.apply, lambda x, t: torch.nn.functional.cross_entropy(
+            x.float(), t, reduction="none")):
+        loss = losses(x, targets)
+        (loss * weights).sum().backward()
+        grads.append((loss, x.grad))
+        x.grad = None
+    assert torch.equal(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=0, atol=2**-13)
 
 
 def test_tokens_per_second_and_mfu_are_reported(workdir):

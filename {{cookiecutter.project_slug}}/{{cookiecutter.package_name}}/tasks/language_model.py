@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -163,11 +163,16 @@ class TinyGPT(nn.Module):
             nn.init.normal_(self.embed.weight, std=0.02)
             self.head.weight = self.embed.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits; with `targets`, each token's loss instead (inside forward, so that
+        --compile compiles the loss with the model)."""
         x = self.embed(tokens) + self.position[:tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        logits = self.head(self.norm(x))
+        if targets is None:
+            return logits
+        return token_losses(logits.flatten(0, 1), targets.flatten().to(logits.device))
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -202,9 +207,43 @@ def flops_per_token(model: TinyGPT, cfg: Config) -> float:
 
 
 # ---------------------------------------------------------------------- loss and metrics
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's cross-entropy, in float32. Never a float32 copy of all the 16-bit logits
+    (B x T x vocab: 0.2 GB a sequence at GPT-2 small, more than the whole model's activations):
+    compiled, inductor fuses the cast into the loss; eager, ChunkedCrossEntropy."""
+    if logits.dtype == torch.float32 or torch.compiler.is_compiling():
+        return F.cross_entropy(logits.float(), targets, reduction="none")
+    return ChunkedCrossEntropy.apply(logits, targets)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of 16-bit logits computed in float32 a chunk of rows at a time, keeping
+    only the 16-bit logits for the backward pass (as llm.c's fused classifier does)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(logits, targets)
+        return torch.cat([-torch.log_softmax(rows.float(), -1).gather(1, t[:, None])[:, 0]
+                          for rows, t in zip(*_chunks(logits, targets), strict=True)])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, targets = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        for rows, t, g, o in zip(*_chunks(logits, targets, grad, out), strict=True):
+            p = torch.softmax(rows.float(), -1)  # d loss / d logits = softmax - one-hot
+            p[torch.arange(len(t), device=t.device), t] -= 1
+            o.copy_(p.mul_(g[:, None]))
+        return out, None
+
+
+def _chunks(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    rows = max(1, 2**25 // tensors[0].shape[-1])  # 128 MB of float32 at a time
+    return [t.split(rows) for t in tensors]
+
+
 def _next_token_losses(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
-    logits = model(windows[:, :-1]).float()
-    return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="none")
+    return model(windows[:, :-1], windows[:, 1:])
 
 
 def loss_fn(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
