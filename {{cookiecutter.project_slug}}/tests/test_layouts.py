@@ -32,7 +32,8 @@ from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.checkpoint.files import checkpoint_path
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.data import BatchFetcher
-from {{ cookiecutter.package_name }}.parallel import model_blocks, split_over_two
+from {{ cookiecutter.package_name }}.failures import UsageError
+from {{ cookiecutter.package_name }}.parallel import checkpoint_blocks, model_blocks, split_over_two
 
 pytestmark = pytest.mark.full  # the slow tier: pytest --full
 
@@ -73,6 +74,25 @@ def test_model_parallel_layout_trains_and_resumes_as_data_parallel(workdir):
     assert resumed["resumed_from"].endswith("ckpt_step00000008.pt") and resumed["steps"] == 16
     ok(torchrun([*QUICK, "--epochs", "3", "--model-layout", "model_parallel_2"], workdir))
     assert summary(workdir / "runs/latest")["steps"] == 24
+
+
+@needs_blocks
+def test_activation_checkpointing_computes_the_same_gradients_and_statistics(example_task):
+    """The blocks' second forward gives the gradients bit for bit, and a BatchNorm's running
+    statistics count the batch once (the runs' resumes are in test_train and the fsdp tests)."""
+    torch.manual_seed(0)
+    norm = ["--batch-norm"] if "batch_norm" in task.Settings.__dataclass_fields__ else []
+    cfg = parse_args(["--hidden-size", "16", "--num-layers", "2", *norm], task.Settings)
+    plain, checkpointed = task.build_model(cfg), task.build_model(cfg)
+    checkpointed.load_state_dict(plain.state_dict())
+    checkpoint_blocks(model_blocks(checkpointed, task))
+    for model in (plain, checkpointed):
+        task.loss_fn(model, first_batch(4)).backward()
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    assert_same_model(plain.state_dict(), checkpointed.state_dict())  # the same names, too
+    with pytest.raises(UsageError, match="define blocks"):
+        checkpoint_blocks([], "OneLayer")
 
 
 UNSPLITTABLE = """
@@ -191,8 +211,10 @@ def test_fsdp_trains_saves_sharded_and_resumes_on_one_and_two_ranks(workdir):
     assert newest.is_dir() and (newest / ".metadata").is_file() and (newest / "meta.json").is_file()
     assert len(list(newest.glob("*.distcp"))) == 2, "each rank wrote its own shards"
 
-    ok(torchrun([*FSDP, "--epochs", "2", "--max-steps", "6", "--checkpoint-dir", "b"], workdir))
-    ok(torchrun([*FSDP, "--epochs", "2", "--checkpoint-dir", "b"], workdir))  # same world: exact
+    # b checkpoints activations, and resumes: the uninterrupted run's weights, bit for bit.
+    b = [*FSDP, "--epochs", "2", "--checkpoint-dir", "b", "--activation-checkpointing"]
+    ok(torchrun([*b, "--max-steps", "6"], workdir))
+    ok(torchrun(b, workdir))  # same world: exact
     assert_same_model(final_model(workdir / "a"), final_model(workdir / "b"))
 
     # On one process the shards are re-cut, and training goes on.

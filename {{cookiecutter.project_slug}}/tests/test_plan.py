@@ -129,3 +129,10 @@ def test_activations_are_the_tensors_autograd_keeps():
     assert saved_bytes(model, lambda: model(x).sum(), set()) == [5 * 8 * 4 + 5 * 16 * 4, 0]
     second = set(model[1:].modules())
     assert saved_bytes(model, lambda: model(x).sum(), second) == [5 * 8 * 4, 5 * 16 * 4]
+    # Two blocks of Linear, ReLU, Linear: each keeps its input (5 x 8), its ReLU output (5 x 16).
+    # Checkpointed, a block keeps its input, and its ReLU output only while it is recomputed.
+    blocks = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(2)]
+    model = nn.Sequential(*blocks, nn.Linear(8, 4))
+    assert saved_bytes(model, lambda: model(x).sum(), set()) == [(3 * 5 * 8 + 2 * 5 * 16) * 4, 0]
+    assert saved_bytes(model, lambda: model(x).sum(), set(), set(blocks)) == [
+        (3 * 5 * 8 + 5 * 16) * 4, 0]

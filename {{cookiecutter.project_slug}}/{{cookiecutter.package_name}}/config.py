@@ -78,6 +78,9 @@ class Config:
     deterministic: bool = setting(False, "deterministic algorithms only (slower on GPU; an error "
                                   "names any op without one)", group="training")
     compile: bool = setting(False, "torch.compile the model", group="training")
+    activation_checkpointing: bool = setting(False, "each block keeps only its input for the "
+                                             "backward pass and runs again there: less memory, "
+                                             "about a third more compute", group="training")
     find_unused_parameters: bool = setting(False, "DDP find_unused_parameters (only for models "
                                            "with unused branches)", group="training")
     check_replicas_every: int = setting(100, "compare the ranks' weights every N steps, as at "

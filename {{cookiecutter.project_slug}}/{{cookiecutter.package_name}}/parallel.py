@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 from .config import Config
 from .data import move_to
@@ -73,6 +74,37 @@ def split_over_two(model: nn.Module, blocks: list[nn.Module], devices: list[torc
     model.register_forward_hook(lambda mod, args, out: move_to(out, devices[0]))
 
 
+def checkpoint_blocks(blocks: list[nn.Module], model_name: str = "the model",
+                      compiled: bool = False) -> None:
+    """--activation-checkpointing: each block's forward runs under torch.utils.checkpoint, inside
+    DDP's and FSDP's hooks (fsdp gathers a block's weights again for its second forward). Eager,
+    a BatchNorm's running statistics are put back after that second forward (compiled, the
+    second forward updates nothing)."""
+    if not blocks:
+        raise UsageError(f"--activation-checkpointing checkpoints {model_name} block by block: "
+                         "define blocks(model) in task.py, or drop the flag", everywhere=True)
+    for block in blocks:
+        stats = [b for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                 for b in m.buffers()]
+        contexts = {"context_fn": functools.partial(_kept_stats, stats)} if (
+            stats and not compiled) else {}
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False,
+                                          **contexts)
+
+
+def _kept_stats(stats: list[torch.Tensor]) -> tuple[Any, Any]:
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        saved = [t.clone() for t in stats]
+        try:
+            yield
+        finally:  # also when checkpoint stops the second forward early
+            with torch.no_grad():
+                for t, value in zip(stats, saved, strict=True):
+                    t.copy_(value)
+    return contextlib.nullcontext(), recompute()
+
+
 def _check_compile() -> None:
     if not getattr(torch._dynamo, "is_dynamo_supported", lambda: True)():
         raise UsageError(f"--compile: torch.compile does not support Python "
@@ -93,6 +125,8 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
                   file=sys.stderr, flush=True)
     if cfg.compile:
         _check_compile()
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(model_blocks(model, task) or [], type(model).__name__, cfg.compile)
     if cfg.model_layout == "fsdp":
         shard = shard_group_size(cfg.shard_group_size, dist.get_world_size(), local_world_size)
         return _fully_shard(model, cfg, devices[0], task, is_main, shard)

@@ -82,29 +82,41 @@ def static_memory(cfg: Config, layout: str, world: int,
     return out, name
 
 
-def saved_bytes(model: nn.Module, forward: Callable[[], Any], second: set[nn.Module]) -> list[int]:
+def saved_bytes(model: nn.Module, forward: Callable[[], Any], second: set[nn.Module],
+                checkpointed: set[nn.Module] | None = None) -> list[int]:
     """Bytes autograd keeps for the backward pass of `forward()` (each storage once, parameters
-    left out) on [the first, the second] stage of model_parallel_2 (the innermost module's)."""
+    left out) on [the first, the second] stage of model_parallel_2 (the innermost module's); a
+    `checkpointed` block's input, and only the largest one's own tensors (recomputed in turn)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, tuple[int, int, torch.Tensor]] = {}  # each held: no address is reused
-    stack = [0]
+    kept: dict[int, tuple[int, int, Any, torch.Tensor]] = {}  # each held: no address is reused
+    stack, inside, checkpointed = [0], [None], checkpointed or set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept.setdefault(storage.data_ptr(), (storage.nbytes(), stack[-1], t))
+        at, block = t.untyped_storage().data_ptr(), inside[-1]
+        if at not in params and (block is None or at not in kept):  # outside blocks: kept
+            kept[at] = (t.untyped_storage().nbytes(), stack[-1], block, t)
         return t
 
-    def leave(*_: Any) -> None:
+    def enter(module: nn.Module, args: tuple) -> None:
+        stack.append(int(module in second))
+        if module in checkpointed:
+            [pack(t) for t in args if isinstance(t, torch.Tensor)]
+            inside.append(module)
+
+    def leave(module: nn.Module, *_: Any) -> None:
         stack.pop()
+        if module in checkpointed:
+            inside.pop()
+
+    def part(i: int, block: Any) -> int:
+        return sum(n for n, stage, b, _ in kept.values() if stage == i and b is block)
 
     hooks = [h for m in model.modules() for h in (
-        m.register_forward_pre_hook(lambda module, args: stack.append(int(module in second))),
-        m.register_forward_hook(leave))]
+        m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             forward()
-        return [sum(n for n, part, _ in kept.values() if part == i) for i in (0, 1)]
+        return [part(i, None) + max([part(i, b) for b in checkpointed], default=0) for i in (0, 1)]
     finally:
         for h in hooks:
             h.remove()
@@ -124,7 +136,8 @@ def activations(cfg: Config, train_set: Any, param_bytes: int) -> tuple[list[int
     def at(batch: int) -> list[int]:  # CPU autocast in place of the run's on the GPU
         data = fetch.__getitems__((0, torch.arange(batch) % len(train_set)))
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            return saved_bytes(model, lambda: task.loss_fn(model, data), second)
+            return saved_bytes(model, lambda: task.loss_fn(model, data), second,
+                               set(blocks) if cfg.activation_checkpointing else None)
 
     try:
         try:
@@ -139,7 +152,9 @@ def activations(cfg: Config, train_set: Any, param_bytes: int) -> tuple[list[int
             for lo, hi in zip(low, high, strict=True)], (
         f"what autograd kept for the backward pass in a real forward on this CPU ({cfg.precision}"
         f"{' autocast' if dtype else ''}) at batch {a} and {2 * a}, fitted as a + b x batch, "
-        f"taken at --batch-size {cfg.batch_size}")
+        f"taken at --batch-size {cfg.batch_size}" + (
+            "; --activation-checkpointing: each block's input, and one block's own tensors at a "
+            "time" if cfg.activation_checkpointing else ""))
 
 
 def training_data(cfg: Config) -> tuple[int | None, str, Any]:
