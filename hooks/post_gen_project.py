@@ -41,8 +41,9 @@ def main() -> None:
     (root / "configs" / f"{task}.toml").replace(root / "configs" / "example.toml")
     remove(package / "tasks")
     remove(root / "tests" / "tasks")
+    presets = {"example.toml"} | ({"gpt2-small.toml"} if task == "language_model" else set())
     for path in (root / "configs").glob("*.toml"):
-        if path.name != "example.toml":
+        if path.name not in presets:
             path.unlink()
     for answer, paths in UNUSED.items():
         if not truthy(ANSWERS[answer]):

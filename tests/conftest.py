@@ -105,6 +105,8 @@ def expected_files(package: str, answers: dict) -> set[str]:
     files |= {f"{package}/runtime/{name}.py" for name in (
         "__init__", "backstop", "comm_hooks", "environments", "launch", "lifeline", "nccl", "network", "prefetch",
         "rendezvous", "trackers", "workarounds", "workers")}
+    if answers.get("task") == "language_model":
+        files.add("configs/gpt2-small.toml")
     if answers.get("slurm", True):
         files |= {"scripts/slurm/torchrun.sbatch", "scripts/slurm/srun.sbatch",
                   "tests/test_slurm.py"}
