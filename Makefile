@@ -5,11 +5,13 @@
 # make bench: the benchmark (not part of the tests).
 # make gpu-check: on a GPU machine, the default project's quickstart, tests and GPU benchmark in
 # about 8 minutes (bench/gpu_check.py; results in bench/results/gpu-check/).
+# make gpu-levers: on one GPU, what each of the language-model task's levers is worth at GPT-2 small
+# in about 7 minutes (bench/levers.py; results in bench/results/levers/).
 PYTHON ?= python3
 # Installed only when `import torch` fails. Override for your platform, e.g. TORCH="torch==2.6.0".
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench gpu-check
+.PHONY: setup demo test lint bench gpu-check gpu-levers
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH)"
@@ -34,3 +36,6 @@ bench: setup
 # Needs torch with CUDA, pytest and cookiecutter (or WHEELS=DIR, a folder of its wheels): no network.
 gpu-check:
 	$(PYTHON) bench/gpu_check.py $(if $(WHEELS),--wheels $(WHEELS))
+
+gpu-levers:
+	$(PYTHON) bench/levers.py $(if $(WHEELS),--wheels $(WHEELS))
