@@ -64,3 +64,8 @@ def test_bench_gpu_mode_says_why_it_cannot_run_without_a_gpu(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: --gpu needs a CUDA GPU and this machine has none; run without --gpu for the CPU benchmark"]
+    levers = subprocess.run([PYTHON, str(ROOT / "bench" / "levers.py"), "--out", str(tmp_path / "levers")],
+                            capture_output=True, text=True)
+    assert levers.returncode == 2 and levers.stderr.strip().splitlines() == [
+        "error: levers.py measures on one CUDA GPU and this machine has none; --cpu runs its rows at gpt2-tiny "
+        "on 2 CPU processes"]
