@@ -3,9 +3,7 @@ file, to train your own model on your own data (README.md, "Your model and data"
 
 This example: a decoder-only transformer that predicts the next token of text, trained with
 next-token cross-entropy and scored by perplexity. By default a small character model (one token
-per byte value); its settings scale it up to GPT-2 small (docs/performance.md):
-    --hidden-size 768 --num-layers 12 --num-heads 12 --seq-len 1024 --vocab-size 50304
-    --tie-embeddings
+per byte value); configs/gpt2-small.toml scales it up to GPT-2 small (docs/performance.md).
 Synthetic text by default; `--data FILE` trains on a text file, read one window of seq_len + 1
 bytes at a time from disk (use `--num-workers N` to read in worker processes). `--data` may also
 name a shard set of tokens (a byte-level BPE's), in a folder or a bucket (docs/data.md): the
