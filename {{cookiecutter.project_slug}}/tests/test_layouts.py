@@ -77,20 +77,32 @@ def test_model_parallel_layout_trains_and_resumes_as_data_parallel(workdir):
 
 
 @needs_blocks
-def test_activation_checkpointing_computes_the_same_gradients_and_statistics(example_task):
-    """The blocks' second forward gives the gradients bit for bit, and a BatchNorm's running
-    statistics count the batch once (the runs' resumes are in test_train and the fsdp tests)."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_activation_checkpointing_computes_the_same_gradients_and_statistics(example_task,
+                                                                             compiled):
+    """The blocks' second forward gives the gradients (eager: bit for bit), and a BatchNorm's
+    running statistics count the batch once, also after the model moved (new buffer tensors)
+    and with each block compiled as fsdp compiles them (the runs' resumes: test_train and the
+    fsdp tests)."""
     torch.manual_seed(0)
     norm = ["--batch-norm"] if "batch_norm" in task.Settings.__dataclass_fields__ else []
     cfg = parse_args(["--hidden-size", "16", "--num-layers", "2", *norm], task.Settings)
     plain, checkpointed = task.build_model(cfg), task.build_model(cfg)
     checkpointed.load_state_dict(plain.state_dict())
-    checkpoint_blocks(model_blocks(checkpointed, task))
+    blocks = model_blocks(checkpointed, task)
+    checkpoint_blocks(blocks, compiled=compiled)
+    checkpointed._apply(lambda t: t.clone())  # as .to(a GPU) does to every tensor
+    torch._dynamo.reset()
+    for block in blocks if compiled else []:
+        block.compile(backend="aot_eager")  # dynamo's graphs, no code generation
     for model in (plain, checkpointed):
         task.loss_fn(model, first_batch(4)).backward()
+    if compiled:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "nothing compiled"
+    same = torch.testing.assert_close if compiled else assert_same_model
     for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
-        assert torch.equal(p.grad, q.grad), name
-    assert_same_model(plain.state_dict(), checkpointed.state_dict())  # the same names, too
+        same({name: p.grad}, {name: q.grad})
+    same(plain.state_dict(), checkpointed.state_dict())  # the same names, too
     with pytest.raises(UsageError, match="define blocks"):
         checkpoint_blocks([], "OneLayer")
 

@@ -126,13 +126,19 @@ def test_activations_are_the_tensors_autograd_keeps():
     x = torch.randn(5, 8)
     # The first Linear keeps its input, ReLU its output, the second Linear that same output (one
     # storage, counted once); the weights are parameters, counted elsewhere.
-    assert saved_bytes(model, lambda: model(x).sum(), set()) == [5 * 8 * 4 + 5 * 16 * 4, 0]
+    whole = 5 * 8 * 4 + 5 * 16 * 4  # [first stage, second stage, one device]
+    assert saved_bytes(model, lambda: model(x).sum(), set()) == [whole, 0, whole]
     second = set(model[1:].modules())
-    assert saved_bytes(model, lambda: model(x).sum(), second) == [5 * 8 * 4, 5 * 16 * 4]
-    # Two blocks of Linear, ReLU, Linear: each keeps its input (5 x 8), its ReLU output (5 x 16).
-    # Checkpointed, a block keeps its input, and its ReLU output only while it is recomputed.
-    blocks = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(2)]
+    assert saved_bytes(model, lambda: model(x).sum(), second) == [5 * 8 * 4, 5 * 16 * 4, whole]
+    # Three blocks of Linear, ReLU, Linear: each keeps its input (5 x 8), its ReLU output (5 x 16).
+    # Checkpointed, a block keeps its input, and its ReLU output only while it is recomputed: on
+    # one device one block's at a time, on two stages one on each.
+    blocks = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(3)]
     model = nn.Sequential(*blocks, nn.Linear(8, 4))
-    assert saved_bytes(model, lambda: model(x).sum(), set()) == [(3 * 5 * 8 + 2 * 5 * 16) * 4, 0]
-    assert saved_bytes(model, lambda: model(x).sum(), set(), set(blocks)) == [
-        (3 * 5 * 8 + 5 * 16) * 4, 0]
+    whole = (4 * 5 * 8 + 3 * 5 * 16) * 4
+    assert saved_bytes(model, lambda: model(x).sum(), set()) == [whole, 0, whole]
+    kept = (4 * 5 * 8 + 5 * 16) * 4
+    assert saved_bytes(model, lambda: model(x).sum(), set(), set(blocks)) == [kept, 0, kept]
+    second = set(model[2:].modules())  # the last block and the head
+    assert saved_bytes(model, lambda: model(x).sum(), second, set(blocks)) == [
+        (2 * 5 * 8 + 5 * 16) * 4, (2 * 5 * 8 + 5 * 16) * 4, kept]

@@ -63,7 +63,7 @@ class Optimization:
             raise UsageError("--precision fp16 needs CUDA (it relies on a GradScaler); use "
                              "--precision bf16 on CPU", everywhere=True)
         self.cfg, self.device, self.total_steps = cfg, device, total_steps
-        # On a GPU, the fused AdamW: one kernel for all parameters (CPU: as it always was).
+        # On a GPU, the fused AdamW: a few kernels for all parameters (CPU: as it always was).
         made = configure(unwrap(model), cfg) if configure else torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
             weight_decay=cfg.weight_decay, fused=True if device.type == "cuda" else None)

@@ -42,11 +42,8 @@ def model_blocks(model: nn.Module, task: Any) -> list[nn.Module] | None:
     return None
 
 
-def _to_device_of(module: nn.Module) -> Callable:
-    """A forward pre-hook moving a module's tensor inputs to the device of its own weights."""
-    device = next(iter(module.parameters(recurse=False)), None)
-    device = device.device if device is not None else next(module.buffers(recurse=False)).device
-
+def _to_device(device: torch.device) -> Callable:
+    """A forward pre-hook moving a module's tensor inputs to `device`."""
     def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return move_to(args, device), move_to(kwargs, device)
 
@@ -63,38 +60,43 @@ def second_stage(model: nn.Module, blocks: list[nn.Module]) -> set[nn.Module]:
 
 def split_over_two(model: nn.Module, blocks: list[nn.Module], devices: list[torch.device]) -> None:
     """second_stage(...) on devices[1], the rest on devices[0]. A module with weights of its own
-    moves its inputs to its device, whatever calls it; the model's output comes to devices[0]."""
+    moves its inputs to its device, whatever calls it, and so does a block (before a checkpoint
+    keeps the random state of its inputs' devices); the model's output comes to devices[0]."""
     model.to(devices[0])
     for module in second_stage(model, blocks):
         module.to(devices[1])
     for module in model.modules():
-        if any(True for _ in module.parameters(recurse=False)) or any(
-                True for _ in module.buffers(recurse=False)):
-            module.register_forward_pre_hook(_to_device_of(module), with_kwargs=True)
+        weights = [*module.parameters(recurse=module in blocks), *module.buffers(recurse=False)]
+        if weights:
+            module.register_forward_pre_hook(_to_device(weights[0].device), with_kwargs=True)
     model.register_forward_hook(lambda mod, args, out: move_to(out, devices[0]))
 
 
 def checkpoint_blocks(blocks: list[nn.Module], model_name: str = "the model",
                       compiled: bool = False) -> None:
     """--activation-checkpointing: each block's forward runs under torch.utils.checkpoint, inside
-    DDP's and FSDP's hooks (fsdp gathers a block's weights again for its second forward). Eager,
-    a BatchNorm's running statistics are put back after that second forward (compiled, the
-    second forward updates nothing)."""
+    DDP's and FSDP's hooks. Eager, a BatchNorm's running statistics are put back after the
+    second forward (compiled, the second forward updates nothing)."""
     if not blocks:
         raise UsageError(f"--activation-checkpointing checkpoints {model_name} block by block: "
                          "define blocks(model) in task.py, or drop the flag", everywhere=True)
     for block in blocks:
-        stats = [b for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-                 for b in m.buffers()]
-        contexts = {"context_fn": functools.partial(_kept_stats, stats)} if (
-            stats and not compiled) else {}
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False,
-                                          **contexts)
+        norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        contexts = {"context_fn": functools.partial(_kept_stats, norms)} if (
+            norms and not compiled) else {}
+        block.forward = functools.partial(_checkpointed, block.forward, **contexts)
 
 
-def _kept_stats(stats: list[torch.Tensor]) -> tuple[Any, Any]:
+def _checkpointed(forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    # A function of this project's, not torch's: block.compile() compiles from here (torch's
+    # own frames, checkpoint's included, are left to run eagerly).
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _kept_stats(norms: list[nn.Module]) -> tuple[Any, Any]:
     @contextlib.contextmanager
     def recompute() -> Iterator[None]:
+        stats = [b for m in norms for b in m.buffers()]  # now: .to(device) replaced the tensors
         saved = [t.clone() for t in stats]
         try:
             yield

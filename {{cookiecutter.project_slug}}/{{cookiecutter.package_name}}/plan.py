@@ -85,28 +85,26 @@ def static_memory(cfg: Config, layout: str, world: int,
 def saved_bytes(model: nn.Module, forward: Callable[[], Any], second: set[nn.Module],
                 checkpointed: set[nn.Module] | None = None) -> list[int]:
     """Bytes autograd keeps for the backward pass of `forward()` (each storage once, parameters
-    left out) on [the first, the second] stage of model_parallel_2 (the innermost module's); a
-    `checkpointed` block's input, and only the largest one's own tensors (recomputed in turn)."""
+    left out) on [the first, the second] stage of model_parallel_2 (the innermost module's), and
+    on one device; a `checkpointed` block's input, and the largest one's own (one at a time)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, tuple[int, int, Any, torch.Tensor]] = {}  # each held: no address is reused
-    stack, inside, checkpointed = [0], [None], checkpointed or set()
+    stack, checkpointed = [(0, None)], checkpointed or set()  # (stage, checkpointed block)
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        at, block = t.untyped_storage().data_ptr(), inside[-1]
+    def pack(t: torch.Tensor, outside: bool = False) -> torch.Tensor:
+        at, (stage, block) = t.untyped_storage().data_ptr(), stack[-1]
+        block = None if outside else block
         if at not in params and (block is None or at not in kept):  # outside blocks: kept
-            kept[at] = (t.untyped_storage().nbytes(), stack[-1], block, t)
+            kept[at] = (t.untyped_storage().nbytes(), stage, block, t)
         return t
 
     def enter(module: nn.Module, args: tuple) -> None:
-        stack.append(int(module in second))
-        if module in checkpointed:
-            [pack(t) for t in args if isinstance(t, torch.Tensor)]
-            inside.append(module)
+        stack.append((int(module in second), module if module in checkpointed else stack[-1][1]))
+        if module in checkpointed:  # keeps its input, whatever saves it inside
+            [pack(t, outside=True) for t in args if isinstance(t, torch.Tensor)]
 
-    def leave(module: nn.Module, *_: Any) -> None:
+    def leave(*_: Any) -> None:  # returns nothing: a value would replace the module's output
         stack.pop()
-        if module in checkpointed:
-            inside.pop()
 
     def part(i: int, block: Any) -> int:
         return sum(n for n, stage, b, _ in kept.values() if stage == i and b is block)
@@ -116,14 +114,16 @@ def saved_bytes(model: nn.Module, forward: Callable[[], Any], second: set[nn.Mod
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             forward()
-        return [part(i, None) + max([part(i, b) for b in checkpointed], default=0) for i in (0, 1)]
+        top = [max([part(i, b) for b in checkpointed], default=0) for i in (0, 1)]
+        out = [part(i, None) for i in (0, 1)]
+        return [out[0] + top[0], out[1] + top[1], sum(out) + max(top)]
     finally:
         for h in hooks:
             h.remove()
 
 
 def activations(cfg: Config, train_set: Any, param_bytes: int) -> tuple[list[int] | None, str]:
-    """([first stage, second stage] bytes at --batch-size, how they were found)."""
+    """([first stage, second stage, one device] bytes at --batch-size, how they were found)."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     if train_set is None or (ram and 4 * param_bytes > ram // 2):
         return None, f"not measured: {'no data' if train_set is None else 'too large for this RAM'}"
@@ -152,9 +152,8 @@ def activations(cfg: Config, train_set: Any, param_bytes: int) -> tuple[list[int
             for lo, hi in zip(low, high, strict=True)], (
         f"what autograd kept for the backward pass in a real forward on this CPU ({cfg.precision}"
         f"{' autocast' if dtype else ''}) at batch {a} and {2 * a}, fitted as a + b x batch, "
-        f"taken at --batch-size {cfg.batch_size}" + (
-            "; --activation-checkpointing: each block's input, and one block's own tensors at a "
-            "time" if cfg.activation_checkpointing else ""))
+        f"taken at --batch-size {cfg.batch_size}" + "; checkpointed: each block's input, one "
+        "block's own at a time" * cfg.activation_checkpointing)
 
 
 def training_data(cfg: Config) -> tuple[int | None, str, Any]:
@@ -264,7 +263,7 @@ def plan(cfg: Config, world: int, gpu_gb: float, per_node: int) -> int:
             errors[layout] = str(exc)
             continue
         for i, figures in enumerate(gpus):
-            figures["activations (estimate)"] = acts and (acts[i] if len(gpus) == 2 else sum(acts))
+            figures["activations (estimate)"] = acts and (acts[i] if len(gpus) == 2 else acts[2])
             columns.append((layout, f"GPU {i}" if len(gpus) == 2 else "", figures))
     print(f"plan: {world} processes, {gpu_gb:g} GB per GPU ({RESERVE_GB:g} GB of it kept for "
           f"the CUDA context, NCCL and the allocator), --batch-size {cfg.batch_size} per process, "
