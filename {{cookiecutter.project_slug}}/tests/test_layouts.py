@@ -156,6 +156,8 @@ def test_fp16_on_cpu_is_one_error_line(workdir):
                     "--precision bf16 on CPU")
 
 
+@pytest.mark.skipif("batch_norm" not in task.Settings.__dataclass_fields__,
+                    reason="task.py has no --batch-norm setting")
 def test_sync_bn_is_skipped_with_a_warning_on_cpu(workdir):
     result = ok(torchrun([*QUICK, "--epochs", "1", "--batch-norm", "--sync-bn", "--model-layout",
                           "data_parallel"], workdir))
