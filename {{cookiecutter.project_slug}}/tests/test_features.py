@@ -44,8 +44,20 @@ def test_grad_accumulation_equals_one_larger_batch(workdir):
                 workdir))
     ok(torchrun([*common, "--batch-size", "32", "--checkpoint-dir", "big"], workdir))
     accumulated, big = final_model(workdir / "accum"), final_model(workdir / "big")
-    for key in big:
-        torch.testing.assert_close(accumulated[key], big[key], rtol=1e-4, atol=1e-5)
+    # The same model: the same loss on a batch, and the same weights but those whose gradient is
+    # zero in exact arithmetic (an attention key's bias: softmax ignores a shift), whose rounding
+    # noise AdamW scales up to steps of --lr.
+    cfg = parse_args(common, task.Settings)
+    batch = BatchFetcher(task.build_datasets(cfg)[0], getattr(task, "collate", None)).__getitems__(
+        (0, torch.arange(32)))
+    losses = []
+    for state in (accumulated, big):
+        model = task.build_model(cfg)
+        model.load_state_dict(state)
+        losses.append(task.loss_fn(model.eval(), batch).item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    moved = [key for key in big if not torch.allclose(accumulated[key], big[key], 1e-4, 1e-5)]
+    assert moved == [key for key in moved if key.endswith("qkv.bias")], moved
 
 
 def test_grad_accumulation_exchanges_gradients_once_per_group(tmp_path, monkeypatch,
@@ -272,7 +284,7 @@ def test_evaluation_every_n_steps_the_best_checkpoint_an_early_stop_and_eval_onl
     before = sorted((workdir / "checkpoints").iterdir())
     result = ok(torchrun([*EVAL, "--eval-only", "--resume", f"checkpoints/{ckpt_name(4)}",
                           "--output-dir", "evaluated"], workdir))
-    assert f"evaluation of checkpoints/{ckpt_name(4)} (step 4): val_accuracy" in result.stdout
+    assert f"evaluation of checkpoints/{ckpt_name(4)} (step 4): val_" in result.stdout
     evaluated = json.loads((workdir / "evaluated/eval.json").read_text())
     assert evaluated["step"] == 4 and evaluated["val_loss"] == evals[0]["val_loss"]
     assert sorted((workdir / "checkpoints").iterdir()) == before
