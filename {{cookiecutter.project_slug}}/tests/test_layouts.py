@@ -156,9 +156,9 @@ def test_fp16_on_cpu_is_one_error_line(workdir):
                     "--precision bf16 on CPU")
 
 
-@pytest.mark.skipif("batch_norm" not in task.Settings.__dataclass_fields__,
-                    reason="task.py has no --batch-norm setting")
 def test_sync_bn_is_skipped_with_a_warning_on_cpu(workdir):
+    if "batch_norm" not in task.Settings.__dataclass_fields__:
+        pytest.skip("task.py has no --batch-norm setting")
     result = ok(torchrun([*QUICK, "--epochs", "1", "--batch-norm", "--sync-bn", "--model-layout",
                           "data_parallel"], workdir))
     assert result.stderr.count("warning: --sync-bn needs CUDA") == 1
