@@ -129,11 +129,16 @@ def stats(result: dict, launched_at: float, global_batch: int) -> dict:
     }
 
 
+def workload_flags(workload: dict) -> list[str]:
+    """A workload's settings as flags: True a bare flag, False none."""
+    return [f"--{k}" if v is True else f"--{k}={v}" for k, v in workload.items() if k != "task" and v is not False]
+
+
 def run_variant(name: str, workload: dict, project: Path, work: Path, python_for_lightning: str | None,
                 gpu: bool) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    flags = [f"--{k}" if v is True else f"--{k}={v}" for k, v in workload.items() if k != "task" and v is not False]
+    flags = workload_flags(workload)
     nproc = 1 if gpu else 2
     torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     env = variant_env(project)
@@ -295,7 +300,7 @@ def main() -> int:
 def token_costs(project: Path, workload: dict) -> dict:
     """Tokens per sample, training FLOPs per token (the task's own count) and the peak FLOP/s of
     one device (None on CPUs and unknown GPUs), from the baked project."""
-    flags = [f"--{k}" if v is True else f"--{k}={v}" for k, v in workload.items() if k != "task" and v is not False]
+    flags = workload_flags(workload)
     code = ("import json, sys, torch\n"
             "from ddp_project import task\n"
             "from ddp_project.config import parse_args\n"
@@ -312,13 +317,17 @@ def token_costs(project: Path, workload: dict) -> dict:
     return json.loads(out.stdout)
 
 
+def token_rate(samples_per_s: float, costs: dict, devices: int) -> tuple[float, float | None]:
+    """(tokens/s, MFU or None where the device's peak is unknown)."""
+    tokens, peak = samples_per_s * costs["tokens_per_sample"], costs["peak_flops"]
+    return tokens, tokens * costs["flops_per_token"] / (peak * devices) if peak else None
+
+
 def add_token_rates(per_variant: dict, costs: dict, devices: int) -> None:
     """tokens/s and MFU (FLOPs per token x tokens/s / (peak x devices)) of each variant."""
     raw_tokens = None
     for variant, values in per_variant.items():
-        values["tokens_per_s"] = values["samples_per_s"] * costs["tokens_per_sample"]
-        peak = costs["peak_flops"]
-        values["mfu"] = values["tokens_per_s"] * costs["flops_per_token"] / (peak * devices) if peak else None
+        values["tokens_per_s"], values["mfu"] = token_rate(values["samples_per_s"], costs, devices)
         raw_tokens = values["tokens_per_s"] if variant == "raw" else raw_tokens
     for values in per_variant.values():
         values["tokens_ratio_to_raw"] = values["tokens_per_s"] / raw_tokens
