@@ -14,15 +14,8 @@ done
 # Relative paths are read from where you ran this script. Then the processes this machine takes,
 # as the doctor says: one per GPU (per two GPUs with --model-layout model_parallel_2), or 2 CPU
 # processes.
-LAUNCH=$("$PYTHON" - "$CALLER" "$@" <<'EOF'
-import shlex
-import sys
-import torch
-from {{ cookiecutter.package_name }}.doctor import preflight, processes_per_node
-cfg, flags = preflight(sys.argv[2:], caller=sys.argv[1])
-print(shlex.join([str(processes_per_node(torch.cuda.device_count(), cfg.model_layout)), *flags]))
-EOF
-)
+LAUNCH=$("$PYTHON" -c "import sys; from {{ cookiecutter.package_name }}.doctor import preflight
+print(preflight(sys.argv[2:], caller=sys.argv[1]))" "$CALLER" "$@")
 eval "set -- $LAUNCH"  # the process count, then the flags with their paths made absolute
 NPROC=${NPROC:-$1}
 shift

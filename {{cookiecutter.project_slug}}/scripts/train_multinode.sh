@@ -21,9 +21,20 @@ fi
 # its training processes by default, it waits forever on keys of the old round
 # (https://github.com/pytorch/pytorch/issues/135712). A store of their own avoids that.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+CALLER=$PWD
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
-NPROC=${NPROC:-$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 2)")}
+for arg in "$@"; do
+  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then exec "$PYTHON" train.py --help; fi
+done
+# As train_local.sh: the flags, data and checkpoint checked once on each node before torchrun
+# starts (a mistake is one line and exit 2 or 1 on every node, not a restart), relative paths read
+# from where you ran this, and the processes this node takes (NPROC overrides).
+LAUNCH=$("$PYTHON" -c "import sys; from {{ cookiecutter.package_name }}.doctor import preflight
+print(preflight(sys.argv[2:], caller=sys.argv[1]))" "$CALLER" "$@")
+eval "set -- $LAUNCH"
+NPROC=${NPROC:-$1}
+shift
 # Many machines resolve their own name to a loopback address. Then torchrun does not see that it
 # owns the endpoint (no node would host the rendezvous) and tells the training processes an
 # address no other node can reach. So: this node's address on the route to the head, and
@@ -35,7 +46,9 @@ if [[ "$LOCAL_ADDR" != 127.* && "$LOCAL_ADDR" != "::1" ]]; then
   NETWORK+=(--rdzv-conf="is_host=$IS_HOST")
 fi
 echo "node $NODE_RANK: $LOCAL_ADDR on ${IFACE}, rendezvous at $ENDPOINT (this node hosts it: $IS_HOST)"
-exec torchrun \
+# Through runtime/workarounds.py: a mistake found in the processes ends this node's torchrun at
+# once (no restart cures it), and a stop by a signal with one line, not the agent's traceback.
+exec "$PYTHON" -m {{ cookiecutter.package_name }}.runtime.workarounds torchrun \
   --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC" \
   --rdzv-backend=c10d --rdzv-endpoint="$ENDPOINT" --rdzv-id="${RDZV_ID:-ddp-job}" \
   --max-restarts="${MAX_RESTARTS:-3}" "${NETWORK[@]}" \

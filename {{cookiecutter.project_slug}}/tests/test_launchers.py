@@ -98,25 +98,43 @@ def test_legacy_launch(workdir, use_env):
     assert done["world_size"] == 2 and done["launcher"] == ("torchrun" if use_env else "launch")
 
 
-def test_two_torchrun_nodes_on_localhost(workdir, bin_dir):
-    """scripts/train_multinode.sh on two 'nodes' (both 127.0.0.1): c10d rendezvous."""
+def two_nodes(args: list[str], workdir: Path, bin_dir: Path, restarts: int) -> list:
+    """scripts/train_multinode.sh on two 'nodes' (both 127.0.0.1), run from `workdir`: each
+    node's (exit code, stdout, stderr)."""
     port = find_free_port()
     script = str(PROJECT_ROOT / "scripts/train_multinode.sh")
-    args = ["--no-progress", *QUICK, "--output-dir", str(workdir / "runs"), "--checkpoint-dir",
-            str(workdir / "ck")]
-    env = child_env(PATH=path_with(bin_dir), NPROC="1", RDZV_ID=f"test-{port}", MAX_RESTARTS="0",
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = child_env(PATH=path_with(bin_dir), NPROC="1", RDZV_ID=f"test-{port}",
+                    MAX_RESTARTS=str(restarts), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     nodes = [subprocess.Popen(["bash", script, "2", "0", f"127.0.0.1:{port}", *args], env=env,
                               cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True),
              # the second node finds the head through MASTER_ADDR/MASTER_PORT
              subprocess.Popen(["bash", script, "2", "1", "-", *args], env=env, cwd=workdir,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
-    for node in nodes:
-        _, err = node.communicate(timeout=240)
-        assert node.returncode == 0, err
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    return [(node.returncode, *output) for node, output in zip(nodes, outputs)]
+
+
+def test_two_torchrun_nodes_on_localhost(workdir, bin_dir):
+    """c10d rendezvous; relative paths are read from where the script ran. A mistake every
+    process finds ends each node at once with its one line, though torchrun may restart 3 times;
+    a wrong flag is one line on each node before torchrun starts."""
+    args = ["--no-progress", *QUICK, "--output-dir", "runs", "--checkpoint-dir", "ck"]
+    for code, _, err in two_nodes(args, workdir, bin_dir, restarts=0):
+        assert code == 0, err
     done = summary(workdir / "runs")
     assert done["world_size"] == 2 and done["launcher"] == "torchrun" and done["steps"] == 4
+    started = time.monotonic()
+    mistake = [*args, "--keep-best", "val_nope:max", "--output-dir", "runs2",
+               "--checkpoint-dir", "ck2"]
+    for code, out, err in two_nodes(mistake, workdir, bin_dir, restarts=3):
+        line = one_error(subprocess.CompletedProcess([], code, out, err))
+        assert "--keep-best val_nope: the evaluation reports no such metric" in line
+        assert code == 1 and "Traceback" not in err, err
+    assert time.monotonic() - started < 120
+    for code, out, err in two_nodes(["--epochs", "0"], workdir, bin_dir, restarts=3):
+        assert code == 2 and out == "" and err.startswith("error: argument --epochs") \
+            and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("method", ["tcp://127.0.0.1:{port}", "file", "{tmp}/my dé jà 100%/store"])

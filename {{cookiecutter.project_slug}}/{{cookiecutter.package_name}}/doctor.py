@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import os
 import platform
+import shlex
 import shutil
 import socket
 import sys
@@ -75,10 +76,10 @@ def processes_per_node(cuda_count: int, layout: str) -> int:
     return max(1, cuda_count // 2) if layout == "model_parallel_2" else cuda_count
 
 
-def preflight(argv: list[str], caller: str) -> tuple[Config, list[str]]:
-    """scripts/train_local.sh, before any process starts: the flags (read in `caller`), the data
-    and the checkpoint to resume, so a mistake is one line, not one per process and restart.
-    Returns the settings, and the flags for the processes (in the project's folder)."""
+def preflight(argv: list[str], caller: str) -> str:
+    """scripts/train_*.sh, before torchrun starts: the flags (read in `caller`), the data and the
+    checkpoint to resume, so a mistake is one line, not one per process and restart. Returns the
+    processes this node takes, then the flags for them (in the project's folder), for the shell."""
     project = os.getcwd()
     os.chdir(caller)
     cfg = parse_args(argv, getattr(task, "Settings", None), warn=False)  # the run warns
@@ -99,7 +100,8 @@ def preflight(argv: list[str], caller: str) -> tuple[Config, list[str]]:
         sys.exit(1)
     except Exception:  # e.g. a task.py that needs the process group: the processes will say
         pass
-    return cfg, argv
+    return shlex.join([str(processes_per_node(torch.cuda.device_count(), cfg.model_layout)),
+                       *argv])
 
 
 def absolute_paths(cfg: Config) -> list[str]:
