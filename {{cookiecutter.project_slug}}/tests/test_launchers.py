@@ -112,7 +112,7 @@ def two_nodes(args: list[str], workdir: Path, bin_dir: Path, restarts: int) -> l
              subprocess.Popen(["bash", script, "2", "1", "-", *args], env=env, cwd=workdir,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
     outputs = [node.communicate(timeout=240) for node in nodes]
-    return [(node.returncode, *output) for node, output in zip(nodes, outputs)]
+    return [(node.returncode, *out) for node, out in zip(nodes, outputs, strict=True)]
 
 
 def test_two_torchrun_nodes_on_localhost(workdir, bin_dir):
