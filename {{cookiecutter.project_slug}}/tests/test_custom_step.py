@@ -153,6 +153,17 @@ def test_a_mistaken_step_is_one_error_line_and_leaves_no_checkpoint(tmp_path, mi
     assert not list_checkpoints(project / "checkpoints")
 
 
+@needs_numpy
+def test_a_module_inside_an_fsdp_unit_called_directly_is_one_line(tmp_path):
+    """Not a DTensor traceback: the teacher's first layer, called alone, holds a shard."""
+    task = example("teacher").replace('step.model(x, "teacher")', "step.module.teacher[0](x)")
+    project = project_copy(tmp_path, task)
+    line = one_error(run_cmd([sys.executable, "train.py", *RUN, *EXAMPLES["teacher"][2],
+                              "--model-layout", "fsdp"], project, PYTHONPATH=str(project)))
+    assert "train_step called step.module.teacher.0 directly: under --model-layout fsdp" in line
+    assert not list_checkpoints(project / "checkpoints")
+
+
 # The same names in another order on each rank, then a value rank 1 alone logs. And an optimizer
 # that leaves out the student's last layers.
 RANKS_DIFFER = [("    return {\"loss\": loss.detach(), \"labels\": labels.detach(), \"teacher\": "

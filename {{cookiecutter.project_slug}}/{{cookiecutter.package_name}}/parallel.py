@@ -212,7 +212,21 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
         for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
             for group in getattr(unit._get_fsdp_state(), "_fsdp_param_groups", ()):
                 group.post_backward = functools.partial(_post_backward, group, group.post_backward)
+        for name, module in [] if cfg.compile else model.named_modules():
+            if not isinstance(module, FSDPModule) and module._parameters:
+                module.register_forward_pre_hook(functools.partial(_check_gathered, name))
     return model
+
+
+def _check_gathered(name: str, module: nn.Module, args: Any) -> None:
+    """A module inside a unit, called by a step: one line, not a DTensor traceback, if its unit
+    is not running (it holds this rank's shard of each weight, not the weight)."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+        raise UsageError(f"train_step called step.module.{name} directly: under --model-layout "
+                         "fsdp it gathers its weights only inside the module that holds it; call "
+                         "a child of the model or a block (docs/custom-step.md)", everywhere=True)
 
 
 def _post_backward(group: Any, post_backward: Callable, *args: Any) -> None:
