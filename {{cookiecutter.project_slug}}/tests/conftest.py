@@ -170,8 +170,10 @@ def kill_a_worker_once_saved(cmd: list[str], cwd: Path, checkpoint_dir: Path, st
     def saved_step(path: Path) -> int:
         try:
             return read_meta(path)["step"]
-        except FileNotFoundError:  # pruned by --keep-last between the listing and the read
-            return -1
+        except (FileNotFoundError, RuntimeError):  # (torch.load's mmap: a RuntimeError)
+            if path.exists():
+                raise
+            return -1  # pruned by --keep-last between the listing and the read
 
     job = subprocess.Popen(cmd, cwd=cwd, env=child_env(**env), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
