@@ -206,8 +206,9 @@ def test_a_resume_with_other_optimizers_is_one_line_and_weights_only_goes_on(tmp
                                              " torch.optim.lr_scheduler.StepLR(o, "
                                              "cfg.total_steps))", "train_step"), 1))
     line = one_error(run_cmd(command, project, PYTHONPATH=str(project)))
-    assert (f"checkpoint {before[0].relative_to(project)} holds the optimizers (schedules) "
-            "'default' (--lr-schedule); task.py gives 'default' (StepLR); use --resume "
+    assert (f"checkpoint {before[0].relative_to(project)} holds the optimizers (type, "
+            "schedule) 'default' (AdamW, --lr-schedule); task.py gives 'default' (AdamW, "
+            "StepLR); use --resume "
             "weights-only to go on from its weights with fresh optimizers, --resume never") in line
     assert list_checkpoints(project / "checkpoints") == before
     out = ok(run_cmd([*command, "--resume", "weights-only", "--max-steps", "1"], project,
@@ -332,12 +333,15 @@ def test_a_checkpoint_of_other_optimizers_or_schedules_is_refused_in_one_line():
                                              "b": (o := sgd(model[1]), StepLR(o, 2))})
     optim.check_saved({"optim": optim.state_dict()}, "mine.pt")
     optim.check_saved({"optim": {"scheduler": {}}}, "older.pt")  # from before it was saved
-    for saved in ({"a": "--lr-schedule"}, {"a": "--lr-schedule", "b": "--lr-schedule"},
-                  {"a": "--lr-schedule", "body": "StepLR"}):
+    optim.check_saved({"optim": {"kinds": {"a": "--lr-schedule", "b": "StepLR"}}}, "old.pt")
+    for saved in ({"a": "SGD, --lr-schedule"}, {"a": "--lr-schedule", "b": "--lr-schedule"},
+                  {"a": "SGD, --lr-schedule", "body": "SGD, StepLR"},
+                  {"a": "AdamW, --lr-schedule", "b": "SGD, StepLR"}):  # a type under its name
         with pytest.raises(UsageError) as error:
             optim.check_saved({"optim": {"kinds": saved}}, "ckpt.pt")
         there = ", ".join(f"'{name}' ({kind})" for name, kind in saved.items())
         assert str(error.value) == (
-            f"checkpoint ckpt.pt holds the optimizers (schedules) {there}; task.py gives 'a' "
-            "(--lr-schedule), 'b' (StepLR); use --resume weights-only to go on from its weights "
-            "with fresh optimizers, --resume never to start over, or another --checkpoint-dir")
+            f"checkpoint ckpt.pt holds the optimizers (type, schedule) {there}; task.py gives "
+            "'a' (SGD, --lr-schedule), 'b' (SGD, StepLR); use --resume weights-only to go on from "
+            "its weights with fresh optimizers, --resume never to start over, or another "
+            "--checkpoint-dir")

@@ -15,6 +15,7 @@ from conftest import (
     ok,
     one_error,
     path_with,
+    project_copy,
     read_metrics,
     run_cmd,
     summary,
@@ -119,6 +120,32 @@ def test_local_script_trains_with_the_chosen_launcher(workdir, bin_dir):
     result = run_cmd([*command, "--hidden-size", "96"], workdir, **env)
     assert "does not fit the model" in one_error(result) and result.returncode == 1
     assert time.monotonic() - started < 15 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_fine_tuning_through_the_local_script(tmp_path, bin_dir):
+    """Fine-tuning as a user does it: task.py now gives SGD with momentum under the name of the
+    checkpoint's AdamW. The script's check says so in one line (no process, no restart), the
+    checkpoints untouched; `--resume weights-only` then trains from the weights."""
+    project = project_copy(tmp_path)
+    command = ["bash", str(project / "scripts/train_local.sh"), *SMALL, "--no-progress",
+               "--output-dir", "runs", "--checkpoint-dir", "ck"]
+    env = {"PATH": path_with(bin_dir), "NPROC": "2", "PYTHON": sys.executable,
+           "PYTHONPATH": str(project)}
+    ok(run_cmd([*command, "--max-steps", "2"], tmp_path, **env))
+    task = project / "{{ cookiecutter.package_name }}/task.py"
+    task.write_text(task.read_text() + "\n\ndef configure_optimizer(model, cfg):\n    return "
+                    "torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)\n")
+    before = list_checkpoints(tmp_path / "ck")
+    stamps = [path.stat().st_mtime_ns for path in before]
+    result = run_cmd([*command, "--max-steps", "4"], tmp_path, **env)
+    assert ("holds the optimizers (type, schedule) 'default' (AdamW, --lr-schedule); task.py "
+            "gives 'default' (SGD, --lr-schedule); use --resume weights-only") in one_error(result)
+    assert result.returncode == 1 and "world: " not in result.stdout, result.stdout
+    assert [path.stat().st_mtime_ns for path in list_checkpoints(tmp_path / "ck")] == stamps
+    tuned = ok(run_cmd([*command, "--max-steps", "3", "--resume", "weights-only"], tmp_path,
+                       **env)).stdout
+    assert f"--resume weights-only: the weights of {before[0]};" in tuned, tuned
+    assert summary(tmp_path / "runs")["steps"] == 3
 
 
 def test_a_mistake_the_processes_find_ends_the_local_script_at_once(workdir):

@@ -34,6 +34,7 @@ from .checkpoint.resume import check_same_shapes, pick_checkpoint, saved_model
 from .config import Config, parse_args
 from .failures import ProjectError, RunFailure, UsageError, is_communication_failure, report_error
 from .main import load_datasets
+from .optim import Optimization
 from .plan import plan
 from .runtime.environments import World, resolve_world
 from .runtime.launch import Setup, joined, resolve
@@ -85,16 +86,14 @@ def preflight(argv: list[str], caller: str) -> str:
     cfg = parse_args(argv, getattr(task, "Settings", None), warn=False)  # the run warns
     argv = argv + absolute_paths(cfg)
     os.chdir(project)
-    where = cfg.checkpoint_dir if cfg.resume == "auto" else cfg.resume
+    where = cfg.checkpoint_dir if cfg.resume in ("auto", "weights-only") else cfg.resume
     try:
         with open(os.devnull, "w") as null, redirect_stdout(null), redirect_stderr(null):
             load_datasets(cfg)  # (its notes are the run's to print)
             # A checkpoint in a bucket is left to rank 0: it would be downloaded twice.
             path = None if storage.is_url(where) else pick_checkpoint(cfg.resume, where)
             if path is not None:
-                with torch.device("meta"):  # the model's shapes, without memory
-                    model = task.build_model(cfg)
-                check_same_shapes(model.state_dict(), saved_model(path), path)
+                check_resumable(cfg, path)
     except ProjectError as exc:
         report_error(exc, 0)
         sys.exit(1)
@@ -102,6 +101,20 @@ def preflight(argv: list[str], caller: str) -> str:
         pass
     return shlex.join([str(processes_per_node(torch.cuda.device_count(), cfg.model_layout)),
                        *argv])
+
+
+def check_resumable(cfg: Config, path: storage.AnyPath) -> None:
+    """What the run's resume would refuse, before any process starts: other shapes, and (unless
+    --resume weights-only) other optimizers or schedules than the checkpoint's."""
+    weights, meta = saved_model(path)
+    with torch.device("meta"):  # the model's shapes, and its optimizers, without memory
+        model = task.build_model(cfg)
+        check_same_shapes(model.state_dict(), weights, path)
+        if cfg.resume != "weights-only":
+            cfg.total_steps = cfg.total_steps or 1  # (a schedule's length: not checked here)
+            Optimization(model, cfg, torch.device("cpu"), cfg.total_steps,
+                         configure=getattr(task, "configure_optimizer", None)
+                         ).check_saved(meta, path)
 
 
 def absolute_paths(cfg: Config) -> list[str]:

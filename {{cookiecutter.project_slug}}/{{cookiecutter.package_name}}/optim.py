@@ -71,7 +71,8 @@ class Optimization:
         for name, value in (made if isinstance(made, dict) and made else {"default": made}).items():
             optimizer, scheduler = checked(value)
             self.optimizers[name] = optimizer
-            self.kinds[name] = type(scheduler).__name__ if scheduler else "--lr-schedule"
+            self.kinds[name] = (f"{type(optimizer).__name__}, "
+                                f"{type(scheduler).__name__ if scheduler else '--lr-schedule'}")
             self.schedulers[name] = scheduler or torch.optim.lr_scheduler.LambdaLR(
                 optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
         self.only = next(iter(self.optimizers))  # the name `update()` means, if only one
@@ -149,10 +150,13 @@ class Optimization:
 
     def check_saved(self, meta: dict[str, Any], path: Any) -> None:
         """A checkpoint of other optimizers or schedules is one line, before anything loads."""
-        if (saved := meta["optim"].get("kinds", self.kinds)) != self.kinds:  # older: not saved
+        saved = meta["optim"].get("kinds", self.kinds)
+        here = self.kinds if any(", " in k for k in saved.values()) else {  # older: schedules
+            n: k.split(", ")[1] for n, k in self.kinds.items()}
+        if saved != here:
             there, here = (", ".join(f"'{n}' ({k})" for n, k in kinds.items())
                            for kinds in (saved, self.kinds))
-            raise UsageError(f"checkpoint {path} holds the optimizers (schedules) {there}; "
+            raise UsageError(f"checkpoint {path} holds the optimizers (type, schedule) {there}; "
                              f"task.py gives {here}; use --resume weights-only to go on from "
                              "its weights with fresh optimizers, --resume never to start over, "
                              "or another --checkpoint-dir", everywhere=True)

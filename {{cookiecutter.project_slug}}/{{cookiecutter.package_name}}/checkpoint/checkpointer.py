@@ -209,22 +209,22 @@ class Checkpointer:
 
     def _load(self, path: storage.AnyPath, weights_only: bool) -> dict[str, Any]:
         """Every rank: the checkpoint into the model, EMA and (unless `weights_only`) the rest."""
-        try:
+        note = None
+        try:  # a failure here fails again at every restart: `everywhere`, so there is none
             meta = load_into(path, self.model, self.optim, self.world.world_size,
                              self.world.rank, self.cfg.batch_size, self.device, weights_only)
+            if not weights_only:
+                self.optim.load_state_dict(meta["optim"])
+                if self.comm_hook is not None and meta.get("comm_hook") is not None:
+                    note = self.comm_hook.load_state_dict(meta["comm_hook"], self.world.rank,
+                                                          self.world.world_size)
         except ProjectError:
             raise
         except Exception as exc:  # its metadata read, but not all loads
             raise RunFailure(f"cannot load checkpoint {path} ({type(exc).__name__}: "
                              f"{str(exc).strip().splitlines()[0] if str(exc) else ''}); use "
-                             "--resume with an older one, or --resume never",
-                             everywhere=True) from exc
-        if weights_only:
-            return meta
-        self.optim.load_state_dict(meta["optim"])
-        if self.comm_hook is not None and meta.get("comm_hook") is not None:
-            note = self.comm_hook.load_state_dict(meta["comm_hook"], self.world.rank,
-                                                  self.world.world_size)
-            if note and self.world.is_main:
-                print(f"note: {note}", flush=True)
+                             "--resume with an older one, --resume weights-only, or --resume "
+                             "never", everywhere=True) from exc
+        if note and self.world.is_main:
+            print(f"note: {note}", flush=True)
         return meta

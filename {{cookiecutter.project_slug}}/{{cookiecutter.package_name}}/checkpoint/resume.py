@@ -81,14 +81,15 @@ def check_same_shapes(model_state: dict[str, torch.Tensor], saved: dict[str, Any
                          f"{way_out}", everywhere=True)
 
 
-def saved_model(path: Path) -> dict[str, Any]:
-    """A local checkpoint's model tensors by name, unread: a file's stay on disk (mmap), a
-    folder's (fsdp) are their shapes in DCP's metadata."""
+def saved_model(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A local checkpoint's model tensors by name, unread (a file's stay on disk, mmap; a folder's,
+    fsdp's, are their shapes in DCP's metadata), and its metadata."""
     if not path.is_dir():
-        return load_checkpoint(path, mmap=True)["model"]
+        return (state := load_checkpoint(path, mmap=True))["model"], state
     from torch.distributed.checkpoint import FileSystemReader
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
-    return {k[6:]: torch.empty(v.size, device="meta") for k, v in saved if k.startswith("model.")}
+    return ({k[6:]: torch.empty(v.size, device="meta") for k, v in saved
+             if k.startswith("model.")}, read_meta(path))
 
 
 def load_into(path: Path, model: torch.nn.Module, optim: Optimization, world_size: int,
