@@ -30,11 +30,10 @@ import torch.distributed as dist
 
 from . import task
 from .checkpoint import storage
-from .checkpoint.resume import check_same_shapes, pick_checkpoint, saved_model
+from .checkpoint.resume import check_resumable, pick_checkpoint
 from .config import Config, parse_args
 from .failures import ProjectError, RunFailure, UsageError, is_communication_failure, report_error
 from .main import load_datasets
-from .optim import Optimization
 from .plan import plan
 from .runtime.environments import World, resolve_world
 from .runtime.launch import Setup, joined, resolve
@@ -93,7 +92,7 @@ def preflight(argv: list[str], caller: str) -> str:
             # A checkpoint in a bucket is left to rank 0: it would be downloaded twice.
             path = None if storage.is_url(where) else pick_checkpoint(cfg.resume, where)
             if path is not None:
-                check_resumable(cfg, path)
+                check_resumable(cfg, path, task)
     except ProjectError as exc:
         report_error(exc, 0)
         sys.exit(1)
@@ -101,20 +100,6 @@ def preflight(argv: list[str], caller: str) -> str:
         pass
     return shlex.join([str(processes_per_node(torch.cuda.device_count(), cfg.model_layout)),
                        *argv])
-
-
-def check_resumable(cfg: Config, path: storage.AnyPath) -> None:
-    """What the run's resume would refuse, before any process starts: other shapes, and (unless
-    --resume weights-only) other optimizers or schedules than the checkpoint's."""
-    weights, meta = saved_model(path)
-    with torch.device("meta"):  # the model's shapes, and its optimizers, without memory
-        model = task.build_model(cfg)
-        check_same_shapes(model.state_dict(), weights, path)
-        if cfg.resume != "weights-only":
-            cfg.total_steps = cfg.total_steps or 1  # (a schedule's length: not checked here)
-            Optimization(model, cfg, torch.device("cpu"), cfg.total_steps,
-                         configure=getattr(task, "configure_optimizer", None)
-                         ).check_saved(meta, path)
 
 
 def absolute_paths(cfg: Config) -> list[str]:

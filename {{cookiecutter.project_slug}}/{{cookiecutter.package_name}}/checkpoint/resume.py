@@ -9,18 +9,16 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..config import Config
 from ..failures import UsageError
+from ..optim import Optimization
 from . import storage
 from .files import is_complete, list_checkpoints, load_checkpoint, read_meta, step_of, unreadable
-
-if TYPE_CHECKING:
-    from ..optim import Optimization
 
 
 # ---------------------------------------------------------------------- which checkpoint
@@ -90,6 +88,20 @@ def saved_model(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
     return ({k[6:]: torch.empty(v.size, device="meta") for k, v in saved
              if k.startswith("model.")}, read_meta(path))
+
+
+def check_resumable(cfg: Config, path: Path, task: Any) -> None:
+    """What the run's resume would refuse, before any process starts: other shapes, and (unless
+    --resume weights-only) other optimizers or schedules than the checkpoint's."""
+    weights, meta = saved_model(path)
+    with torch.device("meta"):  # the model's shapes, and its optimizers, without memory
+        model = task.build_model(cfg)
+        check_same_shapes(model.state_dict(), weights, path)
+        if cfg.resume != "weights-only":
+            cfg.total_steps = cfg.total_steps or 1  # (a schedule's length: not checked here)
+            Optimization(model, cfg, torch.device("cpu"), cfg.total_steps,
+                         configure=getattr(task, "configure_optimizer", None)
+                         ).check_saved(meta, path)
 
 
 def load_into(path: Path, model: torch.nn.Module, optim: Optimization, world_size: int,
