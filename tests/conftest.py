@@ -12,6 +12,7 @@ import venv
 from pathlib import Path
 
 import pytest
+from budgets import part_of, table
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -23,23 +24,22 @@ CHOICES = {name: (value if isinstance(value, list) else [False, True])
 TORCH = "torch==2.13.0"  # the only torch this machine installs (a local CPU build)
 
 
-# Where the time goes, printed at the end of every run: seconds per test file (setup, call and
-# teardown of its tests), beside --durations' slowest tests.
-SECONDS_PER_FILE: dict[str, float] = {}
+# Where the time goes, printed at the end of every run: seconds per part of the suite (a file,
+# or a generated project's suite; setup, call and teardown of its tests) beside its budget.
+SECONDS_PER_PART: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
-    file = report.nodeid.split("::")[0]
-    SECONDS_PER_FILE[file] = SECONDS_PER_FILE.get(file, 0.0) + report.duration
+    part = part_of(report.nodeid)
+    SECONDS_PER_PART[part] = SECONDS_PER_PART.get(part, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not SECONDS_PER_FILE:
+    if not SECONDS_PER_PART:
         return
-    terminalreporter.write_sep("=", "seconds per test file")
-    for file, seconds in sorted(SECONDS_PER_FILE.items(), key=lambda item: -item[1]):
-        terminalreporter.write_line(f"{seconds:8.1f} s  {file}")
-    terminalreporter.write_line(f"{sum(SECONDS_PER_FILE.values()):8.1f} s  in all")
+    terminalreporter.write_sep("=", "seconds per part, beside its budget (tests/budgets.py)")
+    for line in table(SECONDS_PER_PART):
+        terminalreporter.write_line(line)
 
 
 def pytest_configure(config):
@@ -155,6 +155,23 @@ def bake(cookies):
         result = cookies.bake(extra_context=answers)
         assert result.exit_code == 0 and result.exception is None, result.exception
         return result.project_path
+
+    return _bake
+
+
+@pytest.fixture(scope="session")
+def baked_once(tmp_path_factory):
+    """Bake with `answers` once per session, for tests that only read the bake (its files, its
+    docs' own test): the pairwise set is read by test_bake.py and test_docs_pointers.py."""
+    from cookiecutter.main import cookiecutter
+    made: dict[str, Path] = {}
+
+    def _bake(**answers) -> Path:
+        key = answers_id(answers)
+        if key not in made:
+            made[key] = Path(cookiecutter(str(ROOT), no_input=True, extra_context=answers,
+                                          output_dir=str(tmp_path_factory.mktemp("baked"))))
+        return made[key]
 
     return _bake
 

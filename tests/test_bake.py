@@ -31,8 +31,8 @@ def test_pairwise_covers_every_choice_of_every_answer():
 
 
 @pytest.mark.parametrize("answers", COMBINATIONS, ids=answers_id)
-def test_bake_gives_exactly_the_files_of_the_answers(bake, answers):
-    project = bake(**answers)
+def test_bake_gives_exactly_the_files_of_the_answers(baked_once, answers):
+    project = baked_once(**answers)
     assert project.name == "ddp-project"
     assert project_files(project) == expected_files("ddp_project", answers)
     # No empty folders left behind by the post-generation clean-up.
@@ -40,8 +40,8 @@ def test_bake_gives_exactly_the_files_of_the_answers(bake, answers):
 
 
 @pytest.mark.parametrize("answers", COMBINATIONS, ids=answers_id)
-def test_baked_code_renders_compiles_and_lints(bake, answers):
-    project = bake(**answers)
+def test_baked_code_renders_compiles_and_lints(baked_once, answers):
+    project = baked_once(**answers)
     for rel in project_files(project):
         text = (project / rel).read_text(encoding="utf-8")
         for marker in ("{{", "{%", "cookiecutter"):
@@ -81,8 +81,8 @@ def test_breakable_pipes_are_found():
 
 
 @pytest.mark.parametrize("answers", COMBINATIONS, ids=answers_id)
-def test_the_answers_are_the_projects_defaults(bake, answers):
-    project = bake(**answers)
+def test_the_answers_are_the_projects_defaults(baked_once, answers):
+    project = baked_once(**answers)
     readme = (project / "README.md").read_text()
     local = (project / "scripts/train_local.sh").read_text()
     lead = {"torchrun": "torchrun --standalone", "spawn": "python train.py --nprocs",

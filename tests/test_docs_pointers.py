@@ -20,9 +20,9 @@ ANSWER_WORDS = {
 }
 
 
-def test_docs_point_at_what_the_bake_has(bake):
+def test_docs_point_at_what_the_bake_has(baked_once):
     """Two bakes' suites at a time: each is mostly the start of a Python that imports torch."""
-    projects = {answers_id(answers): bake(**answers) for answers in pairwise_combinations()}
+    projects = {answers_id(answers): baked_once(**answers) for answers in pairwise_combinations()}
 
     def docs_test(project):
         return run([PYTHON, "-m", "pytest", "-q", "tests/test_docs.py", "-p", "no:cacheprovider"],
@@ -35,10 +35,10 @@ def test_docs_point_at_what_the_bake_has(bake):
     assert not failed, "\n\n".join(f"{name}:\n{out}" for name, out in failed.items())
 
 
-def test_an_answers_words_appear_only_where_it_was_chosen(bake):
+def test_an_answers_words_appear_only_where_it_was_chosen(baked_once):
     found = []
     for answers in pairwise_combinations():
-        project = bake(**answers)
+        project = baked_once(**answers)
         files = [project / "README.md", *(project / "docs").glob("*.md"),
                  *(p for p in (project / "scripts").rglob("*") if p.is_file()),
                  *Path(project).glob("*/**/*.py")]
