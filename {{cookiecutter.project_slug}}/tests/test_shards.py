@@ -3,7 +3,8 @@ image folder, to a folder or a bucket (moto's S3 server on loopback), and `--dat
 every image read back as written, the order a function of the seed and the epoch alone, a SIGKILLed
 run resumed bit for bit from a bucket with data workers, a run saved at 2 processes and resumed at 4
 training each image of the epoch once, and each careless input one line: a DEST inside SRC, text
-that is not UTF-8, another source, a shard changed since it was written, files that are no images."""
+that is not UTF-8, another source, a shard changed since it was written, files that are not
+images."""
 
 from __future__ import annotations
 
@@ -311,7 +312,8 @@ sys.exit(entry.main(sys.argv[1:]))
 @pytest.mark.full
 def test_a_run_saved_at_2_processes_and_resumed_at_4_trains_each_image_once(tmp_path):
     """The same global batch (2 x 8, then 4 x 4): the resumed run goes on with the next global
-    batch, and the epoch ends with each of the 96 images trained exactly once."""
+    batch, and the epoch ends with each of the 96 images trained exactly once; another
+    --shuffle-window mid-epoch is refused."""
     prepare(str(image_folder(tmp_path / "images")), str(tmp_path / "set"), 0.002,
             progress=False)
     (tmp_path / "seen.py").write_text(SEEN)
@@ -321,6 +323,10 @@ def test_a_run_saved_at_2_processes_and_resumed_at_4_trains_each_image_once(tmp_
     env = {"SEEN": str(tmp_path / "seen")}
     ok(run_cmd([*torchrun_cmd(2), "seen.py", *flags, "--batch-size", "8", "--max-steps", "3"],
                tmp_path, **env))
+    other_window = run_cmd([sys.executable, TRAIN, *flags[:-1], "3", "--batch-size", "16"],
+                           tmp_path)  # the order of the rest of the epoch would change
+    assert "part way through an epoch of --shuffle-window 2: give that window again" in one_error(
+        other_window)
     resumed = ok(run_cmd([*torchrun_cmd(4), "seen.py", *flags, "--batch-size", "4"], tmp_path,
                          **env))
     assert "continuing epoch 0 after 48 of the 48 samples already seen" in resumed.stderr

@@ -158,8 +158,7 @@ def shard_files(index: dict[str, Any]) -> dict[str, tuple[int, str | None]]:
 
 
 def verify(path: Path, file: str, expected: str | None, data: str, drop: bool = False) -> None:
-    """A shard file changed since the set was written is one error line, not other data;
-    `drop`: deleted then (a download)."""
+    """A shard file changed since it was written is one error line (`drop`: deleted first)."""
     if expected and checksum(path) != expected:
         if drop:
             path.unlink()

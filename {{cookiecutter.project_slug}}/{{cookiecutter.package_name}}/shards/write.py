@@ -76,6 +76,7 @@ def publish(content: bytes, target: storage.AnyPath, tmp: Path) -> None:
         target.fs.put_file(str(local), target.key)
         local.unlink()
     else:
+        target.parent.mkdir(parents=True, exist_ok=True)  # DEST: made by the first file
         shutil.move(local, target)
 
 
@@ -199,8 +200,6 @@ def prepare(source: str, dest: str, shard_mb: float, tokenizer: str | None = Non
         raise UsageError(f"{storage.redact(dest)}: {storage.diagnosis(dest, exc)}") from None
     if not src.exists():
         raise UsageError(f"{source}: no such file or folder")
-    if not isinstance(target, storage.RemotePath):
-        target.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="shards-") as tmp:
         writer = Writer(target, Path(tmp), max(4, int(shard_mb * 2**20) // 4 * 4))
         if src.is_dir() and any(f.suffix.lower() in IMAGES for d in src.iterdir() if d.is_dir()
