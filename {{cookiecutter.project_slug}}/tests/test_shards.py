@@ -202,6 +202,8 @@ def test_a_shard_changed_since_it_was_written_is_one_line_once_read(tmp_path, mo
     with pytest.raises(UsageError, match="s3://b/set: shard file 00001.bin has changed"):
         cache.get("00001.bin")
     assert [p.name for p in cache.folder.iterdir()] == ["00000.bin"]
+    rewritten = {"shards": [{**index["shards"][0], "sha256": "0" * 16}]}  # at the same URL
+    assert read.Cache(cache.root, str(tmp_path / "c"), 1, rewritten, 300).folder != cache.folder
 
 
 @needs_s3

@@ -14,7 +14,6 @@ global batch trains each sample of the epoch once."""
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import os
 import time
@@ -187,8 +186,8 @@ class Cache:
     def __init__(self, root: storage.RemotePath, folder: str, gb: float,
                  index: dict[str, Any], timeout_s: float) -> None:
         self.root, self.limit, self.timeout_s = root, int(gb * 2**30), timeout_s
-        self.folder = Path(folder).expanduser() / hashlib.sha256(root.url.encode()).hexdigest()[:12]
-        self.files = shard_files(index)
+        self.files = shard_files(index)  # a folder per set: another at this URL is not stale
+        self.folder = Path(folder).expanduser() / checksum(f"{root.url}{self.files}".encode())
         biggest = max(s["bytes"] + s.get("idx_bytes", 0) for s in index["shards"])
         if biggest > self.limit:
             raise UsageError(f"--shard-cache-gb {gb:g} is smaller than one shard of "
