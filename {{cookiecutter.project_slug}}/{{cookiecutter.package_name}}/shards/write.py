@@ -214,8 +214,7 @@ def prepare(source: str, dest: str, shard_mb: float, tokenizer: str | None = Non
                 raise UsageError(f"{src}: no text in it (empty); give text, UTF-8")
             if len(texts) < len(files):
                 print(f"note: left out {len(files) - len(texts)} empty text files", file=sys.stderr)
-            files = texts
-            index = write_tokens(files, writer, tokenizer_for(files, tokenizer, vocab_size),
+            index = write_tokens(texts, writer, tokenizer_for(texts, tokenizer, vocab_size),
                                  Path(tmp), progress)
         index = {"format": 1, "source": made_from, **index, "shards": writer.shards}
         publish(json.dumps(index, indent=1).encode(), target / INDEX, Path(tmp))
