@@ -2,12 +2,15 @@
 image folder, to a folder or a bucket (moto's S3 server on loopback), and `--data` trains on it:
 every image read back as written, the order a function of the seed and the epoch alone, a SIGKILLed
 run resumed bit for bit from a bucket with data workers, a run saved at 2 processes and resumed at 4
-training each image of the epoch once, and each careless input one line."""
+training each image of the epoch once, and each careless input one line: a DEST inside SRC, text
+that is not UTF-8, another source, a shard changed since it was written, files that are not
+images."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -40,8 +43,7 @@ needs_s3 = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("s3f
                               reason="needs s3fs and moto's server: pip install -e '.[dev]'")
 
 
-@pytest.fixture(autouse=True)
-def images_task() -> None:
+def needs_images() -> None:
     skip_unless_example_task()
     from {{ cookiecutter.package_name }} import task
     if not hasattr(task, "image_sample"):
@@ -49,7 +51,8 @@ def images_task() -> None:
 
 
 def image_folder(root: Path, per_class: int = 32) -> Path:
-    """Three classes of small PNGs, each image its own colour."""
+    """Three classes of small PNGs, each image its own colour (and a note that is no image)."""
+    needs_images()
     from PIL import Image
     g = torch.Generator().manual_seed(0)
     for name in ("cat", "dog", "emu"):
@@ -77,7 +80,7 @@ def test_a_shard_set_holds_every_image_once_and_a_rerun_does_nothing(tmp_path, c
     assert len(index["shards"]) > 2 and sum(s["samples"] for s in index["shards"]) == 96
     written = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "set").iterdir()}
     again = prepare(str(source), str(tmp_path / "set"), shard_mb=0.002, progress=False)
-    assert again == index and "is a complete shard set (96 samples" in capsys.readouterr().out
+    assert again == index and "is a complete shard set (96 images" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "set").iterdir()} == written
 
     cfg = config(str(tmp_path / "set"), "--val-fraction", "0.25")
@@ -138,6 +141,71 @@ def test_careless_inputs_are_one_line(tmp_path, monkeypatch):
         cache.get("00000.bin")
 
 
+def test_a_prepare_never_writes_into_its_source_nor_onto_another_sources_set(tmp_path, capsys):
+    source = image_folder(tmp_path / "images", 4)
+    (source / "cat" / "fake.png").write_text("a note named like an image")
+    files = sorted(source.rglob("*"))
+    for dest in (source, source / "set", f"file://{source}/dog/set"):
+        with pytest.raises(UsageError, match=r"^DEST .* is SRC .* or inside it: the shards would "):
+            prepare(str(source), str(dest), 1, progress=False)
+    assert sorted(source.rglob("*")) == files, "SRC untouched"
+    index = prepare(str(source), str(tmp_path / "set"), 1, progress=False)
+    assert sum(s["samples"] for s in index["shards"]) == 12 and index["source"] == str(source)
+    assert "note: left out 4 files that are not images, such as " in capsys.readouterr().err
+    other = image_folder(tmp_path / "other", 4)
+    with pytest.raises(UsageError, match=f"set is a shard set made from {source}, not {other}; "):
+        prepare(str(other), str(tmp_path / "set"), 1, progress=False)
+    prepare(str(source), str(tmp_path / "set"), 1, progress=False)
+    assert "complete shard set (12 images in 1 shards): nothing to do" in capsys.readouterr().out
+    (tmp_path / "set" / "index.json").unlink()
+    with pytest.raises(UsageError, match="an unfinished shard set .* write one with python -m"):
+        read.is_shard_set(str(tmp_path / "set"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="neither images .* nor .txt files in it"):
+        prepare(str(tmp_path / "empty"), str(tmp_path / "out"), 1, progress=False)
+
+
+def test_text_that_is_not_utf8_or_empty_is_one_line(tmp_path):
+    (tmp_path / "latin.txt").write_bytes("the caf\u00e9 opens\n".encode("latin-1"))
+    (tmp_path / "long.txt").write_bytes(b"x" * (2**22 - 1) + "\u00e9".encode() + b"\xff")
+    for name, offset in (("latin.txt", 7), ("long.txt", 2**22 + 1)):
+        with pytest.raises(UsageError, match=rf"{name}: not UTF-8 text \(byte {offset}\); "
+                           rf"convert it, e.g. iconv -f latin1 -t utf-8 .*{name} > "):
+            prepare(str(tmp_path / name), str(tmp_path / "set"), 1, progress=False)
+    (tmp_path / "empty.txt").write_text(" \n")
+    with pytest.raises(UsageError, match="empty.txt: no text in it"):
+        prepare(str(tmp_path / "empty.txt"), str(tmp_path / "set"), 1, progress=False)
+
+
+def test_a_shard_changed_since_it_was_written_is_one_line_once_read(tmp_path, monkeypatch):
+    prepare(str(image_folder(tmp_path / "images", 8)), str(tmp_path / "set"), 0.001,
+            progress=False)
+    shard = tmp_path / "set" / "00001.bin"
+    shard.write_bytes(bytes(reversed(shard.read_bytes())))  # the same size: the start-up check
+    cfg = config(str(tmp_path / "set"), "--shard-cache", str(shard / "cache"))
+    data = ShardSet(cfg.data, cfg, "train", as_stored)
+    with pytest.raises(UsageError, match="shard file 00001.bin has changed since the set was "
+                                         "written .*; prepare the shard set again"):
+        [data[i] for i in range(len(data))]
+    index = json.loads((tmp_path / "set" / "index.json").read_text())
+    with pytest.raises(UsageError, match=f"^--shard-cache {shard}/cache: cannot write there"):
+        read.Cache(read.storage.RemotePath("s3://b/set", fs=object()), cfg.shard_cache, 1, index,
+                   300)
+
+    class Bucket:  # whose shard changed: the download is checked, then dropped
+        def get_file(self, key: str, local: str) -> None:
+            shutil.copy(tmp_path / "set" / Path(key).name, local)
+
+    cache = read.Cache(read.storage.RemotePath("s3://b/set", fs=Bucket()), str(tmp_path / "c"),
+                       1, index, 300)
+    assert cache.get("00000.bin").read_bytes() == (tmp_path / "set/00000.bin").read_bytes()
+    with pytest.raises(UsageError, match="s3://b/set: shard file 00001.bin has changed"):
+        cache.get("00001.bin")
+    assert [p.name for p in cache.folder.iterdir()] == ["00000.bin"]
+    rewritten = {"shards": [{**index["shards"][0], "sha256": "0" * 16}]}  # at the same URL
+    assert read.Cache(cache.root, str(tmp_path / "c"), 1, rewritten, 300).folder != cache.folder
+
+
 @needs_s3
 def test_a_silent_or_vanished_endpoint_ends_a_shard_download_within_the_timeout(tmp_path, s3):
     """A GET the endpoint never answers (held by the proxy), then an endpoint that is gone
@@ -169,7 +237,11 @@ def test_a_silent_or_vanished_endpoint_ends_a_shard_download_within_the_timeout(
 
 @pytest.mark.full
 @needs_s3
-def test_bucket_mistakes_are_one_line(tmp_path, s3):
+def test_bucket_mistakes_are_one_line(tmp_path, s3, monkeypatch):
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError, match="s3://nobucket/set: no such bucket 'nobucket'"):
+        prepare(str(image_folder(tmp_path / "images", 1)), "s3://nobucket/set", 1, progress=False)
     for url, says in (("s3://bkt/nothing", "no shard set there (no index.json); write one with"),
                       ("s3://nobucket/set", "no such bucket 'nobucket'")):
         result = run_cmd([sys.executable, TRAIN, "--data", url], tmp_path, **s3.env())
@@ -242,7 +314,8 @@ sys.exit(entry.main(sys.argv[1:]))
 @pytest.mark.full
 def test_a_run_saved_at_2_processes_and_resumed_at_4_trains_each_image_once(tmp_path):
     """The same global batch (2 x 8, then 4 x 4): the resumed run goes on with the next global
-    batch, and the epoch ends with each of the 96 images trained exactly once."""
+    batch, and the epoch ends with each of the 96 images trained exactly once; another
+    --shuffle-window mid-epoch is refused."""
     prepare(str(image_folder(tmp_path / "images")), str(tmp_path / "set"), 0.002,
             progress=False)
     (tmp_path / "seen.py").write_text(SEEN)
@@ -252,6 +325,10 @@ def test_a_run_saved_at_2_processes_and_resumed_at_4_trains_each_image_once(tmp_
     env = {"SEEN": str(tmp_path / "seen")}
     ok(run_cmd([*torchrun_cmd(2), "seen.py", *flags, "--batch-size", "8", "--max-steps", "3"],
                tmp_path, **env))
+    other_window = run_cmd([sys.executable, TRAIN, *flags[:-1], "3", "--batch-size", "16"],
+                           tmp_path)  # the order of the rest of the epoch would change
+    assert "part way through an epoch of --shuffle-window 2: give that window again" in one_error(
+        other_window)
     resumed = ok(run_cmd([*torchrun_cmd(4), "seen.py", *flags, "--batch-size", "4"], tmp_path,
                          **env))
     assert "continuing epoch 0 after 48 of the 48 samples already seen" in resumed.stderr

@@ -101,6 +101,11 @@ class Trainer:
                 raise UsageError(f"{self.checkpointer.resumed_from} was trained on tokens of "
                                  "another tokenizer than --data's; use --data with its shard set, "
                                  "or --resume never", everywhere=True)
+            window = meta.get("config", {}).get("shuffle_window")
+            if self.batch_in_epoch and window != self.data_notes.get("shuffle_window", window):
+                raise UsageError(f"{self.checkpointer.resumed_from} is part way through an epoch "
+                                 f"of --shuffle-window {window}: give that window again (another "
+                                 "would train samples twice or never)", everywhere=True)
 
     def loop_state(self) -> dict[str, Any]:
         """The loop's part of a checkpoint: position, last loss, tracker run, model selection.

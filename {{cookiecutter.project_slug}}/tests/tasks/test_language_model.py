@@ -151,10 +151,13 @@ def test_tokens_per_second_and_mfu_are_reported(workdir):
 
 @pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
                     reason='needs Hugging Face tokenizers: pip install -e ".[shards]"')
-def test_text_prepared_as_token_shards_trains_and_another_tokenizer_is_refused(workdir):
-    """docs/data.md: a byte-level BPE trained offline on the text, its shards in a folder; the
-    model's vocabulary follows the tokenizer (padded to 64), predict decodes with it, and a
-    checkpoint resumed on a set of another tokenizer is one line."""
+def test_text_prepared_as_token_shards_trains_and_another_tokenizer_is_refused(workdir, capsys):
+    """docs/data.md: a byte-level BPE trained offline on the text, its shards in a folder (a
+    re-run does nothing, another source is refused); the model's vocabulary follows the tokenizer
+    (padded to 64), predict decodes with it, and a checkpoint resumed on a set of another
+    tokenizer is one line."""
+    from {{ cookiecutter.package_name }}.failures import UsageError
+    from {{ cookiecutter.package_name }}.shards.write import prepare
     words = "the cat sat on a mat while dogs ran over hills and birds sang in trees".split()
     g = torch.Generator().manual_seed(0)
     lines = (" ".join(words[i] for i in torch.randint(len(words), (12,), generator=g).tolist())
@@ -162,13 +165,20 @@ def test_text_prepared_as_token_shards_trains_and_another_tokenizer_is_refused(w
     (workdir / "corpus.txt").write_text("\n".join(lines))
 
     def shards(dest: str, vocab: int) -> dict:
-        ok(run_cmd([sys.executable, "-m", "{{ cookiecutter.package_name }}.shards", "corpus.txt",
-                    dest, "--vocab-size", str(vocab), "--shard-mb", "0.02", "--no-progress"],
-                   workdir))
-        return json.loads((workdir / dest / "index.json").read_text())
+        said = ok(run_cmd([sys.executable, "-m", "{{ cookiecutter.package_name }}.shards",
+                           "corpus.txt", dest, "--vocab-size", str(vocab), "--shard-mb", "0.02",
+                           "--no-progress"], workdir))
+        index = json.loads((workdir / dest / "index.json").read_text())
+        assert f"wrote {sum(s['samples'] for s in index['shards'])} tokens in" in said.stdout
+        return index
 
     index = shards("tokens", 300)
     assert index["kind"] == "tokens" and len(index["shards"]) > 1
+    assert prepare(str(workdir / "corpus.txt"), str(workdir / "tokens"), 1) == index
+    assert " tokens in " in capsys.readouterr().out
+    (workdir / "more.txt").write_text("more text")
+    with pytest.raises(UsageError, match="tokens is a shard set made from .*corpus.txt, not "):
+        prepare(str(workdir / "more.txt"), str(workdir / "tokens"), 1)
     assert (workdir / "tokens" / "tokenizer.json").is_file()
     flags = ["--data", "tokens", "--seq-len", "32", "--hidden-size", "32", "--batch-size", "8",
              "--max-steps", "20", "--log-every", "5", "--lr", "0.01"]

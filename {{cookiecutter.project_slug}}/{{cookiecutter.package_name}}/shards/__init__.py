@@ -7,7 +7,21 @@ A shard set is a folder or a URL prefix holding `index.json` (written last: a se
 not complete) and the shards `NNNNN.bin`. Images: a shard's files back to back, with `NNNNN.idx`
 (int64 rows of offset, length, label), so any sample is read alone. Text: one stream of token ids
 per shard (`tokenizer.json` beside them); a sample is the seq_len + 1 tokens at seq_len * i, so
-where it lies is arithmetic."""
+where it lies is arithmetic. index.json records each file's size and checksum, and the source."""
+
+import hashlib
+from pathlib import Path
 
 INDEX = "index.json"
 TOKENIZER = "tokenizer.json"
+
+
+def checksum(data: bytes | Path) -> str:
+    """A shard file's checksum, as index.json records it (sha256, 16 hex digits)."""
+    if isinstance(data, bytes):
+        return hashlib.sha256(data).hexdigest()[:16]
+    digest = hashlib.sha256()
+    with open(data, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()[:16]

@@ -14,7 +14,6 @@ global batch trains each sample of the epoch once."""
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import os
 import time
@@ -28,7 +27,7 @@ from torch.utils.data import Dataset
 
 from ..checkpoint import storage
 from ..failures import RunFailure, UsageError
-from . import INDEX, TOKENIZER
+from . import INDEX, TOKENIZER, checksum
 
 TRIES = 4  # a failing download is tried this often, pauses growing, all within --timeout-s
 
@@ -45,10 +44,11 @@ def is_shard_set(data: str | None) -> bool:
     except OSError as exc:  # object storage: credentials, endpoint, bucket
         raise UsageError(f"--data {storage.redact(data)}: {storage.diagnosis(data, exc)}",
                          everywhere=True) from None
-    if not found and storage.is_url(data):
-        raise UsageError(f"--data {storage.redact(data)}: no shard set there (no {INDEX}); write "
-                         f"one with python -m {__package__} SOURCE {storage.redact(data)}",
-                         everywhere=True)
+    if not found and (storage.is_url(data) or (root / "00000.bin").exists()):
+        what = (f"no shard set there (no {INDEX})" if storage.is_url(data) else
+                f"an unfinished shard set (no {INDEX}: its prepare stopped)")
+        raise UsageError(f"--data {storage.redact(data)}: {what}; write one with python -m "
+                         f"{__package__} SOURCE {storage.redact(data)}", everywhere=True)
     return found
 
 
@@ -97,7 +97,9 @@ class ShardSet(Dataset):
             check_files(self.root, data, self.index)
         self._files: dict[str, Any] = {}  # open shard files
         self._rows: dict[str, list[int]] = {}
-        self.summary = ({"tokenizer": self.index["tokenizer"]} if not self.images else {})
+        self.files = shard_files(self.index)
+        self.summary = {"shuffle_window": self.window,  # checked at resume, as the tokenizer is
+                        **({"tokenizer": self.index["tokenizer"]} if not self.images else {})}
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -127,6 +129,8 @@ class ShardSet(Dataset):
         what the next, random sample does not need; at most 64 files at once)."""
         if (handle := self._files.get(file)) is None:
             path = self.cache.get(file) if self.cache else self.root / file
+            if not self.cache:  # a download is checked by the cache, once per machine
+                verify(path, file, self.files[file][1], self.data)
             handle = self._files[file] = open(path, "rb", buffering=0)  # noqa: SIM115 (kept)
             if len(self._files) > 64:
                 self._files.pop(next(iter(self._files))).close()
@@ -145,6 +149,23 @@ class ShardSet(Dataset):
         return torch.cat(parts)
 
 
+def shard_files(index: dict[str, Any]) -> dict[str, tuple[int, str | None]]:
+    """Each shard file's size and checksum (None: a set written before checksums)."""
+    return {f"{s['name']}.{kind}": (s[f"{key}bytes"], s.get(f"{key}sha256"))
+            for s in index["shards"] for kind, key in (("bin", ""), ("idx", "idx_"))
+            if f"{key}bytes" in s}
+
+
+def verify(path: Path, file: str, expected: str | None, data: str, drop: bool = False) -> None:
+    """A shard file changed since it was written is one error line (`drop`: deleted first)."""
+    if expected and checksum(path) != expected:
+        if drop:
+            path.unlink()
+        raise UsageError(f"--data {storage.redact(data)}: shard file {file} has changed since "
+                         f"the set was written (its checksum is not {INDEX}'s); prepare the "
+                         "shard set again")
+
+
 def check_files(root: storage.AnyPath, data: str, index: dict[str, Any]) -> None:
     """Every shard is there at full size (one listing): else one error line now, not an hour in."""
     try:
@@ -152,14 +173,11 @@ def check_files(root: storage.AnyPath, data: str, index: dict[str, Any]) -> None
     except OSError as exc:
         raise UsageError(f"--data {storage.redact(data)}: {storage.diagnosis(data, exc)}",
                          everywhere=True) from None
-    for shard in index["shards"]:
-        for file, size in ((f"{shard['name']}.bin", shard["bytes"]),
-                           (f"{shard['name']}.idx", shard.get("idx_bytes"))):
-            if size is not None and found.get(file) != size:
-                what = "missing" if file not in found else f"{found[file]} bytes, not {size}"
-                raise UsageError(f"--data {storage.redact(data)}: shard file {file} is {what} "
-                                 "(a copy cut short?); prepare the shard set again",
-                                 everywhere=True)
+    for file, (size, _) in shard_files(index).items():
+        if found.get(file) != size:
+            what = "missing" if file not in found else f"{found[file]} bytes, not {size}"
+            raise UsageError(f"--data {storage.redact(data)}: shard file {file} is {what} "
+                             "(a copy cut short?); prepare the shard set again", everywhere=True)
 
 
 class Cache:
@@ -168,20 +186,24 @@ class Cache:
     def __init__(self, root: storage.RemotePath, folder: str, gb: float,
                  index: dict[str, Any], timeout_s: float) -> None:
         self.root, self.limit, self.timeout_s = root, int(gb * 2**30), timeout_s
-        self.folder = Path(folder).expanduser() / hashlib.sha256(root.url.encode()).hexdigest()[:12]
-        self.sizes = {f"{s['name']}.{kind}": s[key] for s in index["shards"]
-                      for kind, key in (("bin", "bytes"), ("idx", "idx_bytes")) if key in s}
+        self.files = shard_files(index)  # a folder per set: another at this URL is not stale
+        self.folder = Path(folder).expanduser() / checksum(f"{root.url}{self.files}".encode())
         biggest = max(s["bytes"] + s.get("idx_bytes", 0) for s in index["shards"])
         if biggest > self.limit:
             raise UsageError(f"--shard-cache-gb {gb:g} is smaller than one shard of "
                              f"{root.url} ({biggest / 2**30:.3g} GiB); raise it", everywhere=True)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--shard-cache {folder}: cannot write there ({exc.strerror}); give "
+                             "a folder of a disk this user can write to", everywhere=True) from None
 
     def get(self, file: str) -> Path:
         if (path := self.folder / file).exists():
             os.utime(path)  # recently used
             return path
-        self._make_room(self.sizes.get(file, 0))
+        size, expected = self.files[file]
+        self._make_room(size)
         tmp = path.with_name(f".{file}.{os.getpid()}.tmp")
         deadline = time.monotonic() + self.timeout_s  # the peers wait no longer for this rank
         for attempt in range(TRIES):
@@ -199,6 +221,7 @@ class Cache:
                    f"({storage.reason(failure)}); run the same command to resume from the "
                    "newest checkpoint once the storage works")
             raise RunFailure(f"--data {self.root.url}: cannot read shard file {file}{why}")
+        verify(tmp, file, expected, self.root.url, drop=True)
         os.replace(tmp, path)  # whole or absent, for the other ranks and workers here
         return path
 

@@ -8,7 +8,7 @@ SRC here, offline). Shards are written locally, then moved or uploaded whole; `i
 from __future__ import annotations
 
 import argparse
-import hashlib
+import codecs
 import json
 import random
 import shutil
@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from ..checkpoint import storage
 from ..failures import ProjectError, UsageError
-from . import INDEX, TOKENIZER
+from . import INDEX, TOKENIZER, checksum
 
 EOT = "<|endoftext|>"  # between documents (files)
 IMAGES = {".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".gif", ".webp", ".tif", ".tiff"}  # SRC is
@@ -57,12 +57,14 @@ class Writer:
     def close_shard(self) -> None:
         if not self.data:
             return
-        name = f"{len(self.shards):05d}"
-        publish(bytes(self.data), self.dest / f"{name}.bin", self.tmp)
+        name, data = f"{len(self.shards):05d}", bytes(self.data)
+        publish(data, self.dest / f"{name}.bin", self.tmp)
+        shard = {"name": name, "bytes": len(data), "sha256": checksum(data), "samples": self.count}
         if self.rows:
-            publish(array("q", self.rows).tobytes(), self.dest / f"{name}.idx", self.tmp)
-        self.shards.append({"name": name, "bytes": len(self.data), "samples": self.count,
-                            **({"idx_bytes": 8 * len(self.rows)} if self.rows else {})})
+            rows = array("q", self.rows).tobytes()
+            publish(rows, self.dest / f"{name}.idx", self.tmp)
+            shard |= {"idx_bytes": len(rows), "idx_sha256": checksum(rows)}
+        self.shards.append(shard)
         self.data, self.rows, self.count = bytearray(), [], 0
 
 
@@ -74,20 +76,32 @@ def publish(content: bytes, target: storage.AnyPath, tmp: Path) -> None:
         target.fs.put_file(str(local), target.key)
         local.unlink()
     else:
+        target.parent.mkdir(parents=True, exist_ok=True)  # DEST: made by the first file
         shutil.move(local, target)
 
 
 def write_images(source: Path, writer: Writer, progress: bool) -> dict[str, Any]:
     from PIL import Image  # the image tasks' dependency
-    suffixes = Image.registered_extensions()
     classes = sorted(p.name for p in source.iterdir() if p.is_dir())
     files = [(path, label) for label, name in enumerate(classes)
-             for path in sorted((source / name).iterdir()) if path.suffix.lower() in suffixes]
-    if len(classes) < 2 or not files:
-        raise UsageError(f"{source}: expected one sub-folder of images per class (at least two)")
+             for path in sorted((source / name).iterdir())]
+    wrong = UsageError(f"{source}: expected one sub-folder of images per class (at least two)")
+    if len(classes) < 2:
+        raise wrong
     random.Random(0).shuffle(files)  # every shard holds every class
+    others = []
     for path, label in tqdm(files, "images", disable=not progress, unit=" files"):
+        try:
+            Image.open(path).close()  # its header: a file that is no image is left out now
+        except OSError:
+            others.append(path)
+            continue
         writer.add(path.read_bytes(), label)
+    if len(others) == len(files):
+        raise wrong
+    if others:
+        print(f"note: left out {len(others)} files that are not images, such as {others[0]}",
+              file=sys.stderr)
     writer.close_shard()
     return {"kind": "images", "classes": classes}
 
@@ -111,6 +125,23 @@ def tokenizer_for(files: list[Path], given: str | None, vocab_size: int) -> Any:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train([str(f) for f in files], trainer)
     return tokenizer
+
+
+def has_text(path: Path) -> bool:
+    """Whether `path` holds more than white space; text that is not UTF-8 is one error line."""
+    decoder, offset, seen = codecs.getincrementaldecoder("utf-8")(), 0, False
+    with open(path, "rb") as f:
+        while True:
+            block, pending = f.read(1 << 22), len(decoder.getstate()[0])
+            try:
+                seen |= bool(decoder.decode(block, final=not block).strip())
+            except UnicodeDecodeError as exc:
+                raise UsageError(f"{path}: not UTF-8 text (byte {offset - pending + exc.start}); "
+                                 f"convert it, e.g. iconv -f latin1 -t utf-8 {path} > "
+                                 f"{path.stem}-utf8.txt") from None
+            if not block:
+                return seen
+            offset += len(block)
 
 
 def chunks(path: Path, size: int = 1 << 22) -> Iterator[list[str]]:
@@ -142,25 +173,33 @@ def write_tokens(files: list[Path], writer: Writer, tokenizer: Any, tmp: Path,
     for shard in writer.shards:  # a shard's count is its tokens
         shard["samples"] = shard["bytes"] // array(code).itemsize
     return {"kind": "tokens", "dtype": "uint16" if code == "H" else "int32", "vocab_size": vocab,
-            "tokenizer": hashlib.sha256(content).hexdigest()[:16]}
+            "tokenizer": checksum(content)}
 
 
 def prepare(source: str, dest: str, shard_mb: float, tokenizer: str | None = None,
             vocab_size: int = 8192, progress: bool = True) -> dict[str, Any]:
     """Write SRC as a shard set at DEST; a complete set there is left as it is."""
-    target = storage.given(dest)
+    target, src, made_from = storage.given(dest), Path(source), str(Path(source).resolve())
+    if not isinstance(target, storage.RemotePath) and made_from in (
+            str(target.resolve()), *map(str, target.resolve().parents)):
+        raise UsageError(f"DEST {dest} is SRC {source} or inside it: the shards would land among "
+                         "SRC's files; give a DEST outside SRC")
     try:
         if (target / INDEX).exists():
             index = json.loads((target / INDEX).read_text())
-            print(f"{storage.shown(dest)} is a complete shard set ({sum_samples(index)} samples "
-                  f"in {len(index['shards'])} shards): nothing to do")
+            if index.get("source", made_from) != made_from:
+                raise UsageError(f"{storage.shown(dest)} is a shard set made from "
+                                 f"{index['source']}, not {made_from}; give another DEST (or "
+                                 "delete that set to replace it)")
+            print(f"{storage.shown(dest)} is a complete shard set ({sum_samples(index)} "
+                  f"{index['kind']} in {len(index['shards'])} shards): nothing to do")
             return index
+        if isinstance(target, storage.RemotePath):
+            target.fs.ls(target.key.split("/")[0])  # is the bucket there?
     except OSError as exc:
         raise UsageError(f"{storage.redact(dest)}: {storage.diagnosis(dest, exc)}") from None
-    if not (src := Path(source)).exists():
+    if not src.exists():
         raise UsageError(f"{source}: no such file or folder")
-    if not isinstance(target, storage.RemotePath):
-        target.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="shards-") as tmp:
         writer = Writer(target, Path(tmp), max(4, int(shard_mb * 2**20) // 4 * 4))
         if src.is_dir() and any(f.suffix.lower() in IMAGES for d in src.iterdir() if d.is_dir()
@@ -169,11 +208,15 @@ def prepare(source: str, dest: str, shard_mb: float, tokenizer: str | None = Non
         else:
             files = sorted(src.rglob("*.txt")) if src.is_dir() else [src]
             if not files:
-                raise UsageError(f"{src}: no .txt files in it; give a text file or a folder of "
-                                 "them")
-            index = write_tokens(files, writer, tokenizer_for(files, tokenizer, vocab_size),
+                raise UsageError(f"{src}: neither images (one sub-folder per class) nor .txt "
+                                 "files in it; give an image folder, a text file or a folder")
+            if not (texts := [f for f in files if has_text(f)]):
+                raise UsageError(f"{src}: no text in it (empty); give text, UTF-8")
+            if len(texts) < len(files):
+                print(f"note: left out {len(files) - len(texts)} empty text files", file=sys.stderr)
+            index = write_tokens(texts, writer, tokenizer_for(texts, tokenizer, vocab_size),
                                  Path(tmp), progress)
-        index = {"format": 1, **index, "shards": writer.shards}
+        index = {"format": 1, "source": made_from, **index, "shards": writer.shards}
         publish(json.dumps(index, indent=1).encode(), target / INDEX, Path(tmp))
     print(f"wrote {sum_samples(index)} {index['kind']} in {len(index['shards'])} shards to "
           f"{storage.shown(dest)}")
