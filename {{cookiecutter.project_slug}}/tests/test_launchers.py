@@ -117,8 +117,9 @@ def two_nodes(args: list[str], workdir: Path, bin_dir: Path, restarts: int) -> l
 
 def test_two_torchrun_nodes_on_localhost(workdir, bin_dir):
     """c10d rendezvous; relative paths are read from where the script ran. A mistake every
-    process finds ends each node at once with its one line, though torchrun may restart 3 times;
-    a wrong flag is one line on each node before torchrun starts."""
+    process finds ends each node at once with its one line, though torchrun may restart 3 times
+    (in a fine-tuning run: the script's check takes --resume weights-only as the newest
+    checkpoint, not a folder); a wrong flag is one line on each node before torchrun starts."""
     args = ["--no-progress", *QUICK, "--output-dir", "runs", "--checkpoint-dir", "ck"]
     for code, _, err in two_nodes(args, workdir, bin_dir, restarts=0):
         assert code == 0, err
@@ -126,7 +127,7 @@ def test_two_torchrun_nodes_on_localhost(workdir, bin_dir):
     assert done["world_size"] == 2 and done["launcher"] == "torchrun" and done["steps"] == 4
     started = time.monotonic()
     mistake = [*args, "--keep-best", "val_nope:max", "--output-dir", "runs2",
-               "--checkpoint-dir", "ck2"]
+               "--resume", "weights-only"]
     for code, out, err in two_nodes(mistake, workdir, bin_dir, restarts=3):
         line = one_error(subprocess.CompletedProcess([], code, out, err))
         assert "--keep-best val_nope: the evaluation reports no such metric" in line
