@@ -1,5 +1,7 @@
-"""--ema-decay: the average follows its formula, survives a SIGKILL bit for bit under every layout,
-is what evaluation reports and what the export holds."""
+"""--ema-decay: the average follows its formula, is what evaluation reports and what the export
+holds. That it survives a SIGKILL bit for bit, under data_parallel and fsdp, is checked by the
+killed runs of tests/test_custom_step.py, which train with --ema-decay and compare the average too
+(model_parallel_2 saves it as data_parallel does, whole, in one file)."""
 
 from __future__ import annotations
 
@@ -10,16 +12,11 @@ import pytest
 import torch
 from conftest import (
     PROJECT_ROOT,
-    TRAIN,
-    kill_a_worker_once_saved,
     load_state,
-    needs_numpy,
     ok,
     python_train,
     read_metrics,
     run_cmd,
-    torchrun,
-    torchrun_cmd,
 )
 
 from {{ cookiecutter.package_name }} import task
@@ -32,14 +29,6 @@ pytestmark = pytest.mark.full  # the slow tier: pytest --full
 DECAY = 0.9
 SMALL = ["--dataset-size", "256", "--batch-size", "16", "--hidden-size", "16", "--ema-decay",
          str(DECAY)]
-# 16 steps an epoch at 2 ranks, 64 in all, a checkpoint every 4: slow enough to kill mid-run.
-LONG = ["--dataset-size", "512", "--batch-size", "16", "--epochs", "4", "--hidden-size", "64",
-        "--save-every-steps", "4", "--keep-last", "0", "--log-every", "1000", "--ema-decay",
-        str(DECAY)]
-LAYOUTS = {
-    "data_parallel": [],
-    "fsdp": ["--model-layout", "fsdp"],
-}
 
 
 def checkpoints_by_step(folder: Path) -> dict[int, dict]:
@@ -61,25 +50,6 @@ def test_the_average_follows_its_formula_after_every_step(workdir):
             assert torch.equal(expected, weight), f"step {step + 1}: {name}"
     last = states[6]
     assert any(not torch.equal(last["ema"][k], last["model"][k]) for k in last["ema"])
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers in /proc")
-# model_parallel_2 saves and loads the average as data_parallel does (whole, in one file).
-@pytest.mark.parametrize("layout", ["data_parallel", pytest.param("fsdp", marks=needs_numpy)])
-def test_a_killed_run_resumes_its_average_bit_for_bit(workdir, layout):
-    flags = [*LONG, *LAYOUTS[layout]]
-    ok(torchrun([*flags, "--checkpoint-dir", "a"], workdir))  # never interrupted
-    kill_a_worker_once_saved([*torchrun_cmd(2), TRAIN, "--no-progress", *flags,
-                              "--checkpoint-dir", "b"], workdir, workdir / "b", 20)
-    assert max(read_meta(p)["step"] for p in list_checkpoints(workdir / "b")) < 64, "too late"
-    result = ok(torchrun([*flags, "--checkpoint-dir", "b"], workdir))
-    assert "resumed from" in result.stdout
-    a, b = (load_state(list_checkpoints(workdir / name)[0]) for name in ("a", "b"))
-    assert a["step"] == b["step"] == 64
-    for part in ("ema", "model"):
-        assert a[part].keys() == b[part].keys()
-        for name in a[part]:
-            assert torch.equal(a[part][name], b[part][name]), f"{part}: {name}"
 
 
 def val_metrics(cfg: Config, weights: dict[str, torch.Tensor]) -> dict[str, float]:
