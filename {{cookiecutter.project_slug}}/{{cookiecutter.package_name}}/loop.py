@@ -8,6 +8,7 @@ evaluation.py and checkpoint/checkpointer.py. The model, its loss and its metric
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from .failures import UsageError
 from .meters import Throughput
 from .metrics import Metrics
 from .optim import Optimization
-from .parallel import set_gradient_sync, unwrap
+from .parallel import no_gradient_sync, unwrap
 from .runtime.comm_hooks import PowerSGD
 from .runtime.environments import World
 from .runtime.lifeline import Lifeline
@@ -124,13 +125,13 @@ class Trainer:
         if (early := self._before_training()) is not None:  # --eval-only, or a complete run
             return early
         self.metrics.start(self.step)
-        self.lifeline.phase = "training"
+        self.lifeline.tell("phase", "training")
         try:
             while not self._done():
                 self._run_epoch(self.epoch)
                 if self.batch_in_epoch == 0:  # a whole epoch done
                     self.checkpointer.maybe_save(self.step, self.loop_state, epoch_end=self.epoch)
-            self.lifeline.phase = "finishing"
+            self.lifeline.tell("phase", "finishing")
             self.checkpointer.maybe_save(self.step, self.loop_state, last=True)
             self.checkpointer.finish()
             if self.metrics.stopped_by is not None:
@@ -164,11 +165,8 @@ class Trainer:
         """One batch through the step function; returns what it logs. `weight`: the batch's share
         of its accumulation group's samples; gradients are exchanged at the group's `last` batch."""
         self.step_state.begin(self.step, weight, last)
-        if last:
+        with contextlib.nullcontext() if last else no_gradient_sync(self.model):
             values = self.train_step(self.step_state, batch)
-        else:
-            with set_gradient_sync(self.model, False):
-                values = self.train_step(self.step_state, batch)
         return check_values(values, "task.train_step") if self.custom_step else values
 
     def _agreed_batch_count(self) -> int:
@@ -203,8 +201,8 @@ class Trainer:
 
     def _after_first_step(self) -> None:
         self.metrics.first_step_s = time.time() - self.started_at
-        self.lifeline.resume_hint = ("resume continues from the newest checkpoint in "
-                                     f"{storage.shown(self.cfg.checkpoint_dir)}")
+        self.lifeline.tell("hint", "resume continues from the newest checkpoint in "
+                           f"{storage.shown(self.cfg.checkpoint_dir)}")
         if self.backend == "nccl":  # start-up had longer: training gets --timeout-s
             set_group_timeout(self.cfg.timeout_s)
 

@@ -42,6 +42,21 @@ def model_blocks(model: nn.Module, task: Any) -> list[nn.Module] | None:
     return None
 
 
+def usable_blocks(model: nn.Module, task: Any, cfg: Config) -> list[nn.Module]:
+    """model_blocks(...) or [], refused where --activation-checkpointing or --model-layout
+    model_parallel_2 needs blocks that task.py does not give."""
+    blocks, name = model_blocks(model, task) or [], type(model).__name__
+    if cfg.activation_checkpointing and not blocks:
+        raise UsageError(f"--activation-checkpointing checkpoints {name} block by block: define "
+                         "blocks(model) in task.py, or drop the flag", everywhere=True)
+    if cfg.model_layout == "model_parallel_2" and len(blocks) < 2:
+        raise UsageError(
+            f"model_parallel_2 needs to know where to split {name}: define blocks(model) in "
+            "task.py returning its repeated blocks in forward order (at least two), or use "
+            "--model-layout data_parallel", everywhere=True)
+    return blocks
+
+
 def _to_device(device: torch.device) -> Callable:
     """A forward pre-hook moving a module's tensor inputs to `device`."""
     def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -72,14 +87,10 @@ def split_over_two(model: nn.Module, blocks: list[nn.Module], devices: list[torc
     model.register_forward_hook(lambda mod, args, out: move_to(out, devices[0]))
 
 
-def checkpoint_blocks(blocks: list[nn.Module], model_name: str = "the model",
-                      compiled: bool = False) -> None:
+def checkpoint_blocks(blocks: list[nn.Module], compiled: bool = False) -> None:
     """--activation-checkpointing: each block's forward runs under torch.utils.checkpoint, inside
     DDP's and FSDP's hooks. Eager, a BatchNorm's running statistics are put back after the
     second forward (compiled, the second forward updates nothing)."""
-    if not blocks:
-        raise UsageError(f"--activation-checkpointing checkpoints {model_name} block by block: "
-                         "define blocks(model) in task.py, or drop the flag", everywhere=True)
     for block in blocks:
         norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         contexts = {"context_fn": functools.partial(_kept_stats, norms)} if (
@@ -127,18 +138,13 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
                   file=sys.stderr, flush=True)
     if cfg.compile:
         _check_compile()
+    blocks = usable_blocks(model, task, cfg)
     if cfg.activation_checkpointing:
-        checkpoint_blocks(model_blocks(model, task) or [], type(model).__name__, cfg.compile)
+        checkpoint_blocks(blocks, cfg.compile)
     if cfg.model_layout == "fsdp":
         shard = shard_group_size(cfg.shard_group_size, dist.get_world_size(), local_world_size)
-        return _fully_shard(model, cfg, devices[0], task, is_main, shard)
+        return _fully_shard(model, cfg, devices[0], task, blocks, is_main, shard)
     if cfg.model_layout == "model_parallel_2":
-        blocks = model_blocks(model, task)
-        if blocks is None or len(blocks) < 2:
-            raise UsageError(
-                f"model_parallel_2 needs to know where to split {type(model).__name__}: define "
-                "blocks(model) in task.py returning its repeated blocks in forward order (at "
-                "least two), or use --model-layout data_parallel", everywhere=True)
         split_over_two(model, blocks, devices)
     else:
         model.to(devices[0])
@@ -174,7 +180,7 @@ def rows_on_rank(p: torch.Tensor, shards: int) -> int:
 
 
 def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
-                 is_main: bool, shard: int) -> nn.Module:
+                 blocks: list[nn.Module], is_main: bool, shard: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -194,7 +200,6 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
         # Compute in bf16/fp16, reduce gradients in fp32 (autocast is not used with fsdp on CUDA).
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float16
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    blocks = model_blocks(model, task) or []
     if not blocks and is_main:
         print(f"note: fsdp shards {type(model).__name__} as one unit (define blocks(model) in "
               "task.py to gather one block at a time and save more memory)", flush=True)
@@ -244,21 +249,18 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DDP) else model
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> Any:
-    """A context manager: gradients are exchanged in the backward pass only when `enabled`.
-
-    DDP: `no_sync()`. FSDP2: `set_requires_gradient_sync`, which also keeps the gradients
-    unsharded until the last micro-batch of an accumulation group."""
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """No gradients exchanged in the backward passes inside: DDP's `no_sync()`; FSDP2's
+    `set_requires_gradient_sync(False)`, which also keeps the gradients unsharded until the last
+    micro-batch of an accumulation group."""
     inner = getattr(model, "_orig_mod", model)
     if isinstance(inner, DDP):
-        return inner.no_sync()
-    return _fsdp_no_sync(inner)
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
+        with inner.no_sync():
+            yield
+        return
+    inner.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        inner.set_requires_gradient_sync(True)
