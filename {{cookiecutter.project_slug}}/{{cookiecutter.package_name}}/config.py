@@ -183,8 +183,9 @@ class Config:
                                         type=step_range, metavar="FIRST:LAST", group="output")
     tracker: str = setting(DEFAULT_TRACKER, "where metrics go besides metrics.jsonl (rank 0 only)",
                            choices=TRACKERS, group="output")
-    progress: bool = setting(True, "no progress bar", flags=["--no-progress"],
-                             action="store_false", group="output")
+    progress: bool = setting(True, "no progress bar (default: a bar on rank 0 where tqdm is "
+                             "installed)", flags=["--no-progress"], action="store_false",
+                             group="output")
     config: str | None = setting(None, "a TOML file of flag values (keys like the flags without "
                                  "--); flags given on the command line win", metavar="PATH",
                                  in_file=False, group="output")

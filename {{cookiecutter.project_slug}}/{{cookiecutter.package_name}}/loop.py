@@ -23,7 +23,6 @@ from .checkpoint.checkpointer import Checkpointer
 from .config import Config
 from .data import ShardedBatchSampler, move_to
 from .evaluation import Evaluation, Evaluator
-from .failures import UsageError
 from .meters import Throughput
 from .metrics import Metrics
 from .optim import Optimization
@@ -90,23 +89,13 @@ class Trainer:
 
     def resume(self) -> None:
         """Apply --resume (checkpoint/checkpointer.py); the loop goes on from the checkpoint."""
-        meta = self.checkpointer.resume(self.batches.batches_per_epoch())
+        meta = self.checkpointer.resume(self.batches.batches_per_epoch(), self.data_notes)
         if meta is not None:
             self.epoch, self.batch_in_epoch, self.step = meta["position"]
             self.metrics.last_loss = meta.get("last_loss")
             self.metrics.tracker_run_id = meta.get("tracker_run_id")
             self.evaluation.restart_selection(meta.get("selection"))
             self.resumed_layout = meta.get("config", {}).get("model_layout")
-            if (saved := meta.get("data", {}).get("tokenizer")) != self.data_notes.get(
-                    "tokenizer") and saved:  # the same ids would mean other text
-                raise UsageError(f"{self.checkpointer.resumed_from} was trained on tokens of "
-                                 "another tokenizer than --data's; use --data with its shard set, "
-                                 "or --resume never", everywhere=True)
-            window = meta.get("config", {}).get("shuffle_window")
-            if self.batch_in_epoch and window != self.data_notes.get("shuffle_window", window):
-                raise UsageError(f"{self.checkpointer.resumed_from} is part way through an epoch "
-                                 f"of --shuffle-window {window}: give that window again (another "
-                                 "would train samples twice or never)", everywhere=True)
 
     def loop_state(self) -> dict[str, Any]:
         """The loop's part of a checkpoint: position, last loss, tracker run, model selection.

@@ -200,17 +200,21 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
         # Compute in bf16/fp16, reduce gradients in fp32 (autocast is not used with fsdp on CUDA).
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float16
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    inside, custom = {p for b in blocks for p in b.parameters()}, hasattr(task, "train_step")
+    # A step may call a child of the model directly: one with weights outside the blocks is a
+    # unit of its own, which gathers itself.
+    children = {name: child for name, child in model.named_children()
+                if custom and child not in blocks and set(child.parameters()) - inside}
     if not blocks and is_main:
-        print(f"note: fsdp shards {type(model).__name__} as one unit (define blocks(model) in "
+        units = f"as one unit per child ({', '.join(children)})" if children else "as one unit"
+        print(f"note: fsdp shards {type(model).__name__} {units} (define blocks(model) in "
               "task.py to gather one block at a time and save more memory)", flush=True)
     for block in blocks:
         if cfg.compile:
             block.compile()  # compile each block before sharding it, as torchtitan does
         fully_shard(block, **kwargs)
-    inside, custom = {p for b in blocks for p in b.parameters()}, hasattr(task, "train_step")
-    for child in model.children() if custom else []:  # a step may call one: it gathers itself
-        if child not in blocks and set(child.parameters()) - inside:
-            fully_shard(child, **kwargs)
+    for child in children.values():
+        fully_shard(child, **kwargs)
     fully_shard(model, **kwargs)
     if custom:
         model._get_fsdp_state()._lazy_init()  # the root is root, whichever unit runs first
