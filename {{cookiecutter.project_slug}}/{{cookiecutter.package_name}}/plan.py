@@ -250,6 +250,7 @@ def plan(cfg: Config, world: int, gpu_gb: float, per_node: int) -> int:
     except Exception as exc:  # e.g. weights read from a file, or a value from a tensor
         raise UsageError(f"task.build_model cannot build the model on the meta device, which "
                          f"the plan needs ({type(exc).__name__}: {exc})") from None
+    usable_blocks(model, task, cfg)  # what the run refuses for want of blocks, the plan refuses
     params = list(model.parameters())
     samples, source, train_set = training_data(cfg)
     acts, how = activations(cfg, train_set, sum(p.numel() * p.element_size() for p in params))
