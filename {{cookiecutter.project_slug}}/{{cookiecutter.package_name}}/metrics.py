@@ -48,9 +48,7 @@ class Metrics:
                  throughput: Throughput, lr: Callable[[], dict[str, float]],
                  newest_checkpoint: Callable[[], str]) -> None:
         self.cfg, self.world, self.throughput = cfg, world, throughput
-        self.device, self.comm_device = runtime.device, comm_device
-        self.backend, self.lifeline, self.started_at = (runtime.backend, runtime.lifeline,
-                                                        runtime.started_at)
+        self.runtime, self.device, self.comm_device = runtime, runtime.device, comm_device
         self.lr, self.newest_checkpoint, self.every = lr, newest_checkpoint, cfg.log_every
         self.writer = MetricsWriter(cfg.output_dir, False)  # rank 0's real one opens in open()
         self.progress = Progress(cfg.progress and world.is_main)
@@ -73,8 +71,8 @@ class Metrics:
 
     def open(self, resumed: bool) -> None:
         """Rank 0 opens metrics.jsonl, the tracker and config.json; every rank learns the result."""
-        with self.lifeline.waiting("rank 0 to start the metrics and tracker",
-                                   "check rank 0's output"):
+        with self.runtime.lifeline.waiting("rank 0 to start the metrics and tracker",
+                                           "check rank 0's output"):
             agree(lambda: self._open(resumed), self.comm_device)
 
     def _open(self, resumed: bool) -> None:
@@ -178,8 +176,8 @@ class Metrics:
         record = {"step": step, "epoch": epoch, **dict.fromkeys(self._sums), **self.lr(),
                   "samples_per_s": round(samples_per_s, 1),
                   **self.throughput.of(samples_per_s), "time_s": round(now - self._start, 3)}
-        self._pending = LogStats(self._sums, self._counts, self.lifeline.stop_signal, record,
-                                 self.device, self.comm_device,
+        self._pending = LogStats(self._sums, self._counts, self.runtime.lifeline.stop_signal,
+                                 record, self.device, self.comm_device,
                                  queued=self.comm_device.type == "cuda")
         self._samples_total += self._samples
         self._sums, self._counts, self._samples, self._last_log_time = {}, {}, 0, now
@@ -225,7 +223,7 @@ class Metrics:
         # Every rank trains on the same number of samples (the sampler pads): exact.
         samples_per_s = self._samples_total * self.world.world_size / max(wall, 1e-9)
         summary = {
-            "world_size": self.world.world_size, "backend": self.backend,
+            "world_size": self.world.world_size, "backend": self.runtime.backend,
             "launcher": self.world.launcher, "model_layout": self.cfg.model_layout,
             "epochs_completed": epoch, "steps": step, "final_loss": self.last_loss,
             "samples_per_s": round(samples_per_s, 1), **self.throughput.of(samples_per_s),
@@ -239,7 +237,8 @@ class Metrics:
             summary.update(part)
         self.summary_path = self.writer.write_json("summary.json", summary)
         if self.cfg.step_times and self.world.is_main:
-            Path(self.cfg.step_times).write_text(json.dumps(self.clock.report(self.started_at)))
+            report = self.clock.report(self.runtime.started_at)
+            Path(self.cfg.step_times).write_text(json.dumps(report))
         return summary
 
     def close(self) -> None:

@@ -118,13 +118,6 @@ def _kept_stats(norms: list[nn.Module]) -> tuple[Any, Any]:
     return contextlib.nullcontext(), recompute()
 
 
-def _check_compile() -> None:
-    if not getattr(torch._dynamo, "is_dynamo_supported", lambda: True)():
-        raise UsageError(f"--compile: torch.compile does not support Python "
-                         f"{sys.version.split()[0]} on {sys.platform} with PyTorch "
-                         f"{torch.__version__}; run without --compile", everywhere=True)
-
-
 def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task: Any,
                 is_main: bool, local_world_size: int = 0) -> nn.Module:
     """The model (built on the CPU) placed by --model-layout; returns what the loop calls. The
@@ -136,8 +129,10 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
         elif is_main:
             print("warning: --sync-bn needs CUDA; keeping per-process BatchNorm on CPU",
                   file=sys.stderr, flush=True)
-    if cfg.compile:
-        _check_compile()
+    if cfg.compile and not getattr(torch._dynamo, "is_dynamo_supported", lambda: True)():
+        raise UsageError(f"--compile: torch.compile does not support Python "
+                         f"{sys.version.split()[0]} on {sys.platform} with PyTorch "
+                         f"{torch.__version__}; run without --compile", everywhere=True)
     blocks = usable_blocks(model, task, cfg)
     if cfg.activation_checkpointing:
         checkpoint_blocks(blocks, cfg.compile)
