@@ -204,6 +204,10 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
         units = f"as one unit per child ({', '.join(children)})" if children else "as one unit"
         print(f"note: fsdp shards {type(model).__name__} {units} (define blocks(model) in "
               "task.py to gather one block at a time and save more memory)", flush=True)
+    if custom and cfg.grad_accum > 1 and is_main:
+        print(f"note: with --grad-accum {cfg.grad_accum} under fsdp, p.grad is None in train_step "
+              "before a group's last batch: FSDP holds the earlier batches' gradients until then "
+              "(docs/custom-step.md)", flush=True)
     for block in blocks:
         if cfg.compile:
             block.compile()  # compile each block before sharding it, as torchtitan does
