@@ -11,10 +11,16 @@ for arg in "$@"; do
 done
 # Checked once, before any process starts (doctor.py's preflight): the flags (a mistake: one error
 # line, exit 2), the data and the checkpoint to resume (exit 1), not once per process and restart.
-# Relative paths are read from where you ran this script. Then the processes this machine takes,
-# as the doctor says: one per GPU (per two GPUs with --model-layout model_parallel_2), or 2 CPU
-# processes.
-LAUNCH=$("$PYTHON" -c "import sys; from {{ cookiecutter.package_name }}.doctor import preflight
+# Relative paths (files, folders, --init-method's store file) are read from where you ran this
+# script. Then the processes this machine takes, as the doctor says: one per GPU (per two GPUs
+# with --model-layout model_parallel_2), or 2 CPU processes.
+# A syntax error in task.py (the import reads it): Python's own lines for it (file, line, caret),
+# without the import's frames; exit 1.
+LAUNCH=$("$PYTHON" -c "import sys, traceback
+try:
+    from {{ cookiecutter.package_name }}.doctor import preflight
+except SyntaxError as exc:
+    sys.exit(''.join(traceback.format_exception_only(exc)).rstrip())
 print(preflight(sys.argv[2:], caller=sys.argv[1]))" "$CALLER" "$@")
 eval "set -- $LAUNCH"  # the process count, then the flags with their paths made absolute
 NPROC=${NPROC:-$1}

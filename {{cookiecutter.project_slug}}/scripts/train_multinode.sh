@@ -30,7 +30,13 @@ done
 # As train_local.sh: the flags, data and checkpoint checked once on each node before torchrun
 # starts (a mistake is one line and exit 2 or 1 on every node, not a restart), relative paths read
 # from where you ran this, and the processes this node takes (NPROC overrides).
-LAUNCH=$("$PYTHON" -c "import sys; from {{ cookiecutter.package_name }}.doctor import preflight
+# A syntax error in task.py (the import reads it): Python's own lines for it (file, line, caret),
+# without the import's frames; exit 1.
+LAUNCH=$("$PYTHON" -c "import sys, traceback
+try:
+    from {{ cookiecutter.package_name }}.doctor import preflight
+except SyntaxError as exc:
+    sys.exit(''.join(traceback.format_exception_only(exc)).rstrip())
 print(preflight(sys.argv[2:], caller=sys.argv[1]))" "$CALLER" "$@")
 eval "set -- $LAUNCH"
 NPROC=${NPROC:-$1}

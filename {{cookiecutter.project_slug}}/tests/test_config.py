@@ -10,6 +10,7 @@ from conftest import PROJECT_ROOT, ok, python_train, summary
 
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.config import Config, parse_args
+from {{ cookiecutter.package_name }}.doctor import absolute_paths
 from {{ cookiecutter.package_name }}.settings import build_parser
 
 SETTINGS = getattr(task, "Settings", None)  # None: a task.py that declares no settings of its own
@@ -168,6 +169,21 @@ def test_ddp_flags_that_do_nothing_with_the_other_answers_are_warnings(capsys):
     assert capsys.readouterr().err == ""
     assert (cfg.comm_hook, cfg.powersgd_rank, cfg.static_graph) == ("powersgd", 4, True)
     assert cfg.gradient_as_bucket_view and cfg.bucket_cap_mb is None  # the defaults (DDP's)
+
+
+def test_the_scripts_read_relative_paths_from_where_they_ran(tmp_path, monkeypatch):
+    """doctor.absolute_paths, which train_local.sh and train_multinode.sh pass the flags through:
+    each relative path given, --init-method's store file too, is read from the caller's folder;
+    words and URLs stay as they are."""
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_args(["--init-method", "rdzv/store", "--output-dir", "runs", "--resume", "auto"],
+                     None, warn=False)
+    flags = absolute_paths(cfg)
+    assert dict(zip(flags[::2], flags[1::2], strict=True)) == {
+        "--init-method": str(tmp_path / "rdzv/store"), "--output-dir": str(tmp_path / "runs")}
+    assert cfg.init_method == str(tmp_path / "rdzv/store")
+    for method in ("env", "tcp", "file", "tcp://127.0.0.1:29500", "file:///x/store"):
+        assert absolute_paths(parse_args(["--init-method", method], None, warn=False)) == []
 
 
 def test_run_name_puts_outputs_and_checkpoints_in_folders_of_their_own():

@@ -459,7 +459,9 @@ def flags_table() -> str:
             rows.append(f"| **{group.title}** | | |")
         for action in actions:
             flags = ", ".join(f"`{option}`" for option in action.option_strings)
-            default = "" if action.default in (None, []) else f"`{action.default}`"
+            # As --help: a help that states its default itself (--no-progress's) has no other.
+            stated = action.default in (None, []) or "(default:" in action.help
+            default = "" if stated else f"`{action.default}`"
             what = action.help.replace("|", "\\|")
             if action.choices:
                 what += f" (one of {', '.join(map(str, action.choices))})"

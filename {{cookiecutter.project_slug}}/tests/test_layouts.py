@@ -33,7 +33,12 @@ from {{ cookiecutter.package_name }}.checkpoint.files import checkpoint_path
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.data import BatchFetcher
 from {{ cookiecutter.package_name }}.failures import UsageError
-from {{ cookiecutter.package_name }}.parallel import checkpoint_blocks, model_blocks, split_over_two
+from {{ cookiecutter.package_name }}.parallel import (
+    checkpoint_blocks,
+    model_blocks,
+    split_over_two,
+    usable_blocks,
+)
 
 pytestmark = pytest.mark.full  # the slow tier: pytest --full
 
@@ -103,8 +108,9 @@ def test_activation_checkpointing_computes_the_same_gradients_and_statistics(exa
     for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
         same({name: p.grad}, {name: q.grad})
     same(plain.state_dict(), checkpointed.state_dict())  # the same names, too
-    with pytest.raises(UsageError, match="define blocks"):
-        checkpoint_blocks([], "OneLayer")
+    flagged = parse_args(["--activation-checkpointing"], task.Settings)
+    with pytest.raises(UsageError, match="checkpoints Linear block by block: define blocks"):
+        usable_blocks(torch.nn.Linear(2, 2), object(), flagged)  # a task without blocks(model)
 
 
 UNSPLITTABLE = """

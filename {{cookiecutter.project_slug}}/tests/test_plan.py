@@ -14,6 +14,8 @@ from torch import nn
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.doctor import main as doctor
+from {{ cookiecutter.package_name }}.failures import UsageError
+from {{ cookiecutter.package_name }}.parallel import parallelize
 from {{ cookiecutter.package_name }}.plan import EXACT, human_size, saved_bytes, static_memory
 
 DOCTOR = [sys.executable, "-m", "{{ cookiecutter.package_name }}.doctor"]
@@ -111,6 +113,21 @@ def test_a_run_that_does_not_fit_fails_the_plan(workdir, capsys):
         == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "does not fit in 2 GB per GPU" in out
+
+
+def test_activation_checkpointing_without_blocks_fails_the_plan_as_it_fails_the_run(
+        workdir, capsys, monkeypatch):
+    """A task without blocks(model): the plan says the run's error line, not "fits", also where
+    it measures no activations (task.build_datasets fails on this machine)."""
+    monkeypatch.delattr(task, "blocks", raising=False)
+    flags = ["--activation-checkpointing", "--hidden-size", "8"]
+    cfg = parse_args(flags, task.Settings)
+    with pytest.raises(UsageError, match="--activation-checkpointing checkpoints") as run:
+        parallelize(task.build_model(cfg), cfg, [torch.device("cpu")], task, True)
+    for _ in range(2):
+        assert doctor(["--plan", "--world-size", "2", *flags]) == 1
+        assert capsys.readouterr().err == f"FAIL: {run.value}\n"
+        monkeypatch.setattr(task, "build_datasets", lambda cfg: 1 / 0)
 
 
 def test_the_plans_refusals_name_the_doctors_help(workdir):

@@ -183,8 +183,9 @@ class Config:
                                         type=step_range, metavar="FIRST:LAST", group="output")
     tracker: str = setting(DEFAULT_TRACKER, "where metrics go besides metrics.jsonl (rank 0 only)",
                            choices=TRACKERS, group="output")
-    progress: bool = setting(True, "no progress bar", flags=["--no-progress"],
-                             action="store_false", group="output")
+    progress: bool = setting(True, "no progress bar (default: a bar on rank 0 where tqdm is "
+                             "installed)", flags=["--no-progress"], action="store_false",
+                             group="output")
     config: str | None = setting(None, "a TOML file of flag values (keys like the flags without "
                                  "--); flags given on the command line win", metavar="PATH",
                                  in_file=False, group="output")
@@ -234,26 +235,21 @@ def parse_args(argv: list[str] | None, settings: type | None, warn: bool = True)
     return cfg
 
 
-# Flags that only change DDP, and those that only change --comm-hook powersgd.
-DDP_ONLY = ("bucket_cap_mb", "static_graph", "gradient_as_bucket_view", "comm_hook")
-FSDP_ONLY = ("shard_group_size",)
-POWERSGD_ONLY = ("powersgd_rank", "powersgd_warmup_steps")
+# Flags that change only DDP, fsdp or --comm-hook powersgd: (flags, whether they act, else why).
+ONLY_WITH = (
+    (("bucket_cap_mb", "static_graph", "gradient_as_bucket_view", "comm_hook"),
+     lambda cfg: cfg.model_layout != "fsdp",
+     "with --model-layout fsdp (FSDP exchanges gradients itself, without DDP)"),
+    (("shard_group_size",), lambda cfg: cfg.model_layout == "fsdp", "without --model-layout fsdp"),
+    (("powersgd_rank", "powersgd_warmup_steps"), lambda cfg: cfg.comm_hook == "powersgd",
+     "without --comm-hook powersgd"))
 
 
 def unused_settings(cfg: Config) -> list[str]:
     """Settings given (or, for the task's, changed from their default) that do nothing with the
     rest of the run."""
-    found = []
-    if cfg.model_layout == "fsdp":
-        found += [f"--{name.replace('_', '-')} has no effect with --model-layout fsdp (FSDP "
-                  "exchanges gradients itself, without DDP)" for name in DDP_ONLY
-                  if name in cfg.given]
-    else:
-        found += [f"--{name.replace('_', '-')} has no effect without --model-layout fsdp"
-                  for name in FSDP_ONLY if name in cfg.given]
-    if cfg.comm_hook != "powersgd":
-        found += [f"--{name.replace('_', '-')} has no effect without --comm-hook powersgd"
-                  for name in POWERSGD_ONLY if name in cfg.given]
+    found = [f"--{name.replace('_', '-')} has no effect {why}" for names, acts, why in ONLY_WITH
+             if not acts(cfg) for name in names if name in cfg.given]
     for f in dataclasses.fields(cfg.task):
         other = f.metadata.get("unused_with")
         value = getattr(cfg.task, f.name)

@@ -103,14 +103,16 @@ def preflight(argv: list[str], caller: str) -> str:
 
 
 def absolute_paths(cfg: Config) -> list[str]:
-    """Flags (and `cfg`) with each relative path given made absolute: *_dir settings and PATH
-    metavars, but not a metavar's words (--resume auto) nor URLs."""
+    """Flags (and `cfg`) with each relative path given made absolute: *_dir settings, PATH
+    metavars and --init-method's store file (./rdzv/store, as rendezvous.py tells it from a word
+    or URL), but not a metavar's words (--resume auto) nor URLs."""
     flags = []
     for settings, prefix in ((cfg, ""), (cfg.task, "task.")):
         for f in dataclasses.fields(settings):
             metavar = f.metadata.get("flag", {}).get("metavar", "")
             value = getattr(settings, f.name)
-            is_path = "PATH" in metavar or f.name.endswith("_dir")
+            is_path = "PATH" in metavar or f.name.endswith("_dir") or f.name == "init_method" and (
+                "://" not in value and ("/" in value or os.sep in value or value.startswith(".")))
             if (is_path and prefix + f.name in cfg.given and value
                     and value not in metavar.strip("{}").split(",") and not storage.is_url(value)):
                 setattr(settings, f.name, os.path.abspath(value))

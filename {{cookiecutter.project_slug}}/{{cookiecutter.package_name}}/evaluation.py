@@ -51,17 +51,12 @@ class Evaluator:
             for key, value in values.items():
                 value = torch.as_tensor(value).detach().to(self.comm_device, torch.float64)
                 sums[key] = sums[key] + value if key in sums else value
-        model.train()
-        _reshard(model)
+        _back_to_training(model)
         zero = torch.zeros((), dtype=torch.float64, device=self.comm_device)
         totals = torch.stack([sums.get(k, zero) for k in self.keys])
         dist.all_reduce(totals)
-        total = dict(zip(self.keys, totals.tolist(), strict=True))
-        averages = {k: total[k] / max(total.get(f"{k}_count", total.get("count", 0)), 1e-300)
-                    for k in self.keys if k != "count" and not k.endswith("_count")}
-        if hasattr(self.task, "finalize_metrics"):
-            averages = self.task.finalize_metrics(averages)
-        return {f"val_{k}": v for k, v in averages.items()}
+        total = self._metrics(dict(zip(self.keys, totals.tolist(), strict=True)))
+        return {f"val_{k}": v for k, v in total.items()}
 
     @torch.no_grad()
     def reported(self, model: nn.Module, autocast: Any, ema: EMA | None = None) -> list[str]:
@@ -70,13 +65,16 @@ class Evaluator:
         model.eval()
         with autocast():
             values = self.task.eval_metrics(model, move_to(next(iter(self.loader)), self.device))
-        model.train()
-        _reshard(model)
-        averages = {k: 1.0 for k in self._names(values)
-                    if k != "count" and not k.endswith("_count")}
-        if hasattr(self.task, "finalize_metrics"):
-            averages = self.task.finalize_metrics(averages)
+        _back_to_training(model)
+        averages = self._metrics(dict.fromkeys(self._names(values), 1.0))
         return [f"val_{k}" for k in averages] + [f"val_raw_{k}" for k in averages if ema]
+
+    def _metrics(self, total: dict[str, float]) -> dict[str, float]:
+        """Each summed metric of `total` over its count, then task.finalize_metrics."""
+        averages = {k: total[k] / max(total.get(f"{k}_count", total.get("count", 0)), 1e-300)
+                    for k in total if k != "count" and not k.endswith("_count")}
+        finalize = getattr(self.task, "finalize_metrics", None)
+        return finalize(averages) if finalize else averages
 
     @staticmethod
     def _names(values: dict[str, Any]) -> list[str]:
@@ -245,8 +243,10 @@ def _better(value: float, than: float, maximize: bool) -> bool:
     return value > than if maximize else value < than
 
 
-def _reshard(model: nn.Module) -> None:
-    """fully_shard's modules: a no-grad forward leaves the root's weights gathered. Asked by name:
-    importing FSDP (config imports this module) costs a second in commands that wrap no model."""
+def _back_to_training(model: nn.Module) -> None:
+    """Training mode, and fully_shard's modules resharded: a no-grad forward leaves the root's
+    weights gathered. Asked by name: importing FSDP (config imports this module) costs a second in
+    commands that wrap no model."""
+    model.train()
     if hasattr(model, "reshard"):
         model.reshard()

@@ -8,6 +8,7 @@ evaluation.py and checkpoint/checkpointer.py. The model, its loss and its metric
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,11 +23,10 @@ from .checkpoint.checkpointer import Checkpointer
 from .config import Config
 from .data import ShardedBatchSampler, move_to
 from .evaluation import Evaluation, Evaluator
-from .failures import UsageError
 from .meters import Throughput
 from .metrics import Metrics
 from .optim import Optimization
-from .parallel import set_gradient_sync, unwrap
+from .parallel import no_gradient_sync, unwrap
 from .runtime.comm_hooks import PowerSGD
 from .runtime.environments import World
 from .runtime.lifeline import Lifeline
@@ -89,23 +89,13 @@ class Trainer:
 
     def resume(self) -> None:
         """Apply --resume (checkpoint/checkpointer.py); the loop goes on from the checkpoint."""
-        meta = self.checkpointer.resume(self.batches.batches_per_epoch())
+        meta = self.checkpointer.resume(self.batches.batches_per_epoch(), self.data_notes)
         if meta is not None:
             self.epoch, self.batch_in_epoch, self.step = meta["position"]
             self.metrics.last_loss = meta.get("last_loss")
             self.metrics.tracker_run_id = meta.get("tracker_run_id")
             self.evaluation.restart_selection(meta.get("selection"))
             self.resumed_layout = meta.get("config", {}).get("model_layout")
-            if (saved := meta.get("data", {}).get("tokenizer")) != self.data_notes.get(
-                    "tokenizer") and saved:  # the same ids would mean other text
-                raise UsageError(f"{self.checkpointer.resumed_from} was trained on tokens of "
-                                 "another tokenizer than --data's; use --data with its shard set, "
-                                 "or --resume never", everywhere=True)
-            window = meta.get("config", {}).get("shuffle_window")
-            if self.batch_in_epoch and window != self.data_notes.get("shuffle_window", window):
-                raise UsageError(f"{self.checkpointer.resumed_from} is part way through an epoch "
-                                 f"of --shuffle-window {window}: give that window again (another "
-                                 "would train samples twice or never)", everywhere=True)
 
     def loop_state(self) -> dict[str, Any]:
         """The loop's part of a checkpoint: position, last loss, tracker run, model selection.
@@ -124,13 +114,13 @@ class Trainer:
         if (early := self._before_training()) is not None:  # --eval-only, or a complete run
             return early
         self.metrics.start(self.step)
-        self.lifeline.phase = "training"
+        self.lifeline.tell("phase", "training")
         try:
             while not self._done():
                 self._run_epoch(self.epoch)
                 if self.batch_in_epoch == 0:  # a whole epoch done
                     self.checkpointer.maybe_save(self.step, self.loop_state, epoch_end=self.epoch)
-            self.lifeline.phase = "finishing"
+            self.lifeline.tell("phase", "finishing")
             self.checkpointer.maybe_save(self.step, self.loop_state, last=True)
             self.checkpointer.finish()
             if self.metrics.stopped_by is not None:
@@ -164,11 +154,8 @@ class Trainer:
         """One batch through the step function; returns what it logs. `weight`: the batch's share
         of its accumulation group's samples; gradients are exchanged at the group's `last` batch."""
         self.step_state.begin(self.step, weight, last)
-        if last:
+        with contextlib.nullcontext() if last else no_gradient_sync(self.model):
             values = self.train_step(self.step_state, batch)
-        else:
-            with set_gradient_sync(self.model, False):
-                values = self.train_step(self.step_state, batch)
         return check_values(values, "task.train_step") if self.custom_step else values
 
     def _agreed_batch_count(self) -> int:
@@ -203,8 +190,8 @@ class Trainer:
 
     def _after_first_step(self) -> None:
         self.metrics.first_step_s = time.time() - self.started_at
-        self.lifeline.resume_hint = ("resume continues from the newest checkpoint in "
-                                     f"{storage.shown(self.cfg.checkpoint_dir)}")
+        self.lifeline.tell("hint", "resume continues from the newest checkpoint in "
+                           f"{storage.shown(self.cfg.checkpoint_dir)}")
         if self.backend == "nccl":  # start-up had longer: training gets --timeout-s
             set_group_timeout(self.cfg.timeout_s)
 

@@ -18,12 +18,7 @@ import torch
 
 from . import task
 from .config import Config, parse_args
-from .data import (
-    ShardedBatchSampler,
-    build_loader,
-    place_on_device,
-    validation_batches,
-)
+from .data import ShardedBatchSampler, build_loader, place_on_device, validation_batches
 from .evaluation import Evaluator
 from .failures import RunFailure, UsageError
 from .loop import Data, Runtime, Trainer

@@ -29,6 +29,17 @@ OWN_FIELDS = frozenset({"step", "epoch", "lr", "samples_per_s", "tokens_per_s", 
                         "peak_mem_mb", "peak_reserved_mb"})
 
 
+def fingerprint(p: torch.Tensor) -> torch.Tensor:
+    """A float64 number of this rank's values of `p` that changes where any value or their order
+    does: each value weighted by its place, (r + 1) + (c + 1)(R + 1) at row r and column c of R
+    rows, from the sums of its rows and of its columns (float32: fast; nan or inf where one is)."""
+    x = local_part(p).detach()
+    x = x.reshape(x.shape[0], -1) if x.dim() and x.numel() else x.reshape(1, -1)
+    rows, cols = (x.sum(dim, dtype=torch.float32).double() for dim in (1, 0))
+    place = torch.arange(1, max(x.shape) + 1, dtype=torch.float64, device=rows.device)
+    return rows @ place[:len(rows)] + (len(rows) + 1) * (cols @ place[:len(cols)])
+
+
 class Metrics:
     """The loop's reporting. `lr` reads the learning rates; `newest_checkpoint` names the newest
     good checkpoint (for a NaN loss)."""
@@ -37,9 +48,7 @@ class Metrics:
                  throughput: Throughput, lr: Callable[[], dict[str, float]],
                  newest_checkpoint: Callable[[], str]) -> None:
         self.cfg, self.world, self.throughput = cfg, world, throughput
-        self.device, self.comm_device = runtime.device, comm_device
-        self.backend, self.lifeline, self.started_at = (runtime.backend, runtime.lifeline,
-                                                        runtime.started_at)
+        self.runtime, self.device, self.comm_device = runtime, runtime.device, comm_device
         self.lr, self.newest_checkpoint, self.every = lr, newest_checkpoint, cfg.log_every
         self.writer = MetricsWriter(cfg.output_dir, False)  # rank 0's real one opens in open()
         self.progress = Progress(cfg.progress and world.is_main)
@@ -62,8 +71,8 @@ class Metrics:
 
     def open(self, resumed: bool) -> None:
         """Rank 0 opens metrics.jsonl, the tracker and config.json; every rank learns the result."""
-        with self.lifeline.waiting("rank 0 to start the metrics and tracker",
-                                   "check rank 0's output"):
+        with self.runtime.lifeline.waiting("rank 0 to start the metrics and tracker",
+                                           "check rank 0's output"):
             agree(lambda: self._open(resumed), self.comm_device)
 
     def _open(self, resumed: bool) -> None:
@@ -117,7 +126,7 @@ class Metrics:
     def check_weights(self, step: int, named: list[tuple[str, torch.Tensor]]) -> None:
         """Before a save and every --check-replicas-every steps, in one all_gather: the values
         since the last log step and the weights are finite, and the ranks meant to hold the same
-        weights (plain fsdp: none; HSDP: a shard's replicas) have the same sum of each parameter
+        weights (plain fsdp: none; HSDP: a shard's replicas) agree on each parameter's fingerprint
         (SPEC §10); else the run stops before a bad checkpoint replaces the newest good one."""
         if step == self._checked_at:  # a replica check, then a save: the same weights
             return
@@ -126,8 +135,7 @@ class Metrics:
         mine = torch.cat([torch.stack([self._sums.get("loss", zero).to(zero), zero + sum(
             (~v.isfinite()).to(zero) for k, v in self._sums.items() if k != "loss"),
             zero + self.world.rank % (mesh.shape[-1] if mesh is not None else 1)]),  # its group
-            torch.stack([local_part(p).detach().sum(dtype=torch.float32) for _, p in named]).to(
-                zero)])  # (float32: fast; nan or inf where a weight is)
+            torch.stack([fingerprint(p) for _, p in named]).to(zero)])
         rows = [torch.empty_like(mine) for _ in range(self.world.world_size)]
         dist.all_gather(rows, mine)
         rows = torch.stack(rows).cpu()
@@ -140,9 +148,9 @@ class Metrics:
         if not what and (differ := (rows[:, 3:] != rows[first, 3:]).nonzero().tolist()):
             r, i = min(differ, key=lambda d: d[::-1])  # the first parameter that differs
             a, b = rows[first[r], 3 + i].item(), rows[r, 3 + i].item()
-            raise RunFailure(f"the ranks' weights differ at step {step}: '{named[i][0]}' sums to "
-                             f"{a} on rank {first[r]} and {b} on rank {r} ({abs(a - b):.3g} apart;"
-                             f" {len({d[1] for d in differ})} of {len(named)} parameters "
+            raise RunFailure(f"the ranks' weights differ at step {step}: '{named[i][0]}' has "
+                             f"fingerprint {a} on rank {first[r]} and {b} on rank {r} ("
+                             f"{len({d[1] for d in differ})} of {len(named)} parameters "
                              "differ): a step changed weights on some ranks only (docs/custom-"
                              f"step.md); {self.newest_checkpoint()}; nothing was saved after it",
                              everywhere=True)
@@ -168,8 +176,8 @@ class Metrics:
         record = {"step": step, "epoch": epoch, **dict.fromkeys(self._sums), **self.lr(),
                   "samples_per_s": round(samples_per_s, 1),
                   **self.throughput.of(samples_per_s), "time_s": round(now - self._start, 3)}
-        self._pending = LogStats(self._sums, self._counts, self.lifeline.stop_signal, record,
-                                 self.device, self.comm_device,
+        self._pending = LogStats(self._sums, self._counts, self.runtime.lifeline.stop_signal,
+                                 record, self.device, self.comm_device,
                                  queued=self.comm_device.type == "cuda")
         self._samples_total += self._samples
         self._sums, self._counts, self._samples, self._last_log_time = {}, {}, 0, now
@@ -215,7 +223,7 @@ class Metrics:
         # Every rank trains on the same number of samples (the sampler pads): exact.
         samples_per_s = self._samples_total * self.world.world_size / max(wall, 1e-9)
         summary = {
-            "world_size": self.world.world_size, "backend": self.backend,
+            "world_size": self.world.world_size, "backend": self.runtime.backend,
             "launcher": self.world.launcher, "model_layout": self.cfg.model_layout,
             "epochs_completed": epoch, "steps": step, "final_loss": self.last_loss,
             "samples_per_s": round(samples_per_s, 1), **self.throughput.of(samples_per_s),
@@ -229,7 +237,8 @@ class Metrics:
             summary.update(part)
         self.summary_path = self.writer.write_json("summary.json", summary)
         if self.cfg.step_times and self.world.is_main:
-            Path(self.cfg.step_times).write_text(json.dumps(self.clock.report(self.started_at)))
+            report = self.clock.report(self.runtime.started_at)
+            Path(self.cfg.step_times).write_text(json.dumps(report))
         return summary
 
     def close(self) -> None:

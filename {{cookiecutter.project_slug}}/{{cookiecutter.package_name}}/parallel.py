@@ -42,6 +42,21 @@ def model_blocks(model: nn.Module, task: Any) -> list[nn.Module] | None:
     return None
 
 
+def usable_blocks(model: nn.Module, task: Any, cfg: Config) -> list[nn.Module]:
+    """model_blocks(...) or [], refused where --activation-checkpointing or --model-layout
+    model_parallel_2 needs blocks that task.py does not give."""
+    blocks, name = model_blocks(model, task) or [], type(model).__name__
+    if cfg.activation_checkpointing and not blocks:
+        raise UsageError(f"--activation-checkpointing checkpoints {name} block by block: define "
+                         "blocks(model) in task.py, or drop the flag", everywhere=True)
+    if cfg.model_layout == "model_parallel_2" and len(blocks) < 2:
+        raise UsageError(
+            f"model_parallel_2 needs to know where to split {name}: define blocks(model) in "
+            "task.py returning its repeated blocks in forward order (at least two), or use "
+            "--model-layout data_parallel", everywhere=True)
+    return blocks
+
+
 def _to_device(device: torch.device) -> Callable:
     """A forward pre-hook moving a module's tensor inputs to `device`."""
     def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -72,14 +87,10 @@ def split_over_two(model: nn.Module, blocks: list[nn.Module], devices: list[torc
     model.register_forward_hook(lambda mod, args, out: move_to(out, devices[0]))
 
 
-def checkpoint_blocks(blocks: list[nn.Module], model_name: str = "the model",
-                      compiled: bool = False) -> None:
+def checkpoint_blocks(blocks: list[nn.Module], compiled: bool = False) -> None:
     """--activation-checkpointing: each block's forward runs under torch.utils.checkpoint, inside
     DDP's and FSDP's hooks. Eager, a BatchNorm's running statistics are put back after the
     second forward (compiled, the second forward updates nothing)."""
-    if not blocks:
-        raise UsageError(f"--activation-checkpointing checkpoints {model_name} block by block: "
-                         "define blocks(model) in task.py, or drop the flag", everywhere=True)
     for block in blocks:
         norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         contexts = {"context_fn": functools.partial(_kept_stats, norms)} if (
@@ -107,13 +118,6 @@ def _kept_stats(norms: list[nn.Module]) -> tuple[Any, Any]:
     return contextlib.nullcontext(), recompute()
 
 
-def _check_compile() -> None:
-    if not getattr(torch._dynamo, "is_dynamo_supported", lambda: True)():
-        raise UsageError(f"--compile: torch.compile does not support Python "
-                         f"{sys.version.split()[0]} on {sys.platform} with PyTorch "
-                         f"{torch.__version__}; run without --compile", everywhere=True)
-
-
 def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task: Any,
                 is_main: bool, local_world_size: int = 0) -> nn.Module:
     """The model (built on the CPU) placed by --model-layout; returns what the loop calls. The
@@ -125,20 +129,17 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
         elif is_main:
             print("warning: --sync-bn needs CUDA; keeping per-process BatchNorm on CPU",
                   file=sys.stderr, flush=True)
-    if cfg.compile:
-        _check_compile()
+    if cfg.compile and not getattr(torch._dynamo, "is_dynamo_supported", lambda: True)():
+        raise UsageError(f"--compile: torch.compile does not support Python "
+                         f"{sys.version.split()[0]} on {sys.platform} with PyTorch "
+                         f"{torch.__version__}; run without --compile", everywhere=True)
+    blocks = usable_blocks(model, task, cfg)
     if cfg.activation_checkpointing:
-        checkpoint_blocks(model_blocks(model, task) or [], type(model).__name__, cfg.compile)
+        checkpoint_blocks(blocks, cfg.compile)
     if cfg.model_layout == "fsdp":
         shard = shard_group_size(cfg.shard_group_size, dist.get_world_size(), local_world_size)
-        return _fully_shard(model, cfg, devices[0], task, is_main, shard)
+        return _fully_shard(model, cfg, devices[0], task, blocks, is_main, shard)
     if cfg.model_layout == "model_parallel_2":
-        blocks = model_blocks(model, task)
-        if blocks is None or len(blocks) < 2:
-            raise UsageError(
-                f"model_parallel_2 needs to know where to split {type(model).__name__}: define "
-                "blocks(model) in task.py returning its repeated blocks in forward order (at "
-                "least two), or use --model-layout data_parallel", everywhere=True)
         split_over_two(model, blocks, devices)
     else:
         model.to(devices[0])
@@ -174,7 +175,7 @@ def rows_on_rank(p: torch.Tensor, shards: int) -> int:
 
 
 def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
-                 is_main: bool, shard: int) -> nn.Module:
+                 blocks: list[nn.Module], is_main: bool, shard: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -194,18 +195,25 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
         # Compute in bf16/fp16, reduce gradients in fp32 (autocast is not used with fsdp on CUDA).
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float16
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    blocks = model_blocks(model, task) or []
+    inside, custom = {p for b in blocks for p in b.parameters()}, hasattr(task, "train_step")
+    # A step may call a child of the model directly: one with weights outside the blocks is a
+    # unit of its own, which gathers itself.
+    children = {name: child for name, child in model.named_children()
+                if custom and child not in blocks and set(child.parameters()) - inside}
     if not blocks and is_main:
-        print(f"note: fsdp shards {type(model).__name__} as one unit (define blocks(model) in "
+        units = f"as one unit per child ({', '.join(children)})" if children else "as one unit"
+        print(f"note: fsdp shards {type(model).__name__} {units} (define blocks(model) in "
               "task.py to gather one block at a time and save more memory)", flush=True)
+    if custom and cfg.grad_accum > 1 and is_main:
+        print(f"note: with --grad-accum {cfg.grad_accum} under fsdp, p.grad is None in train_step "
+              "before a group's last batch: FSDP holds the earlier batches' gradients until then "
+              "(docs/custom-step.md)", flush=True)
     for block in blocks:
         if cfg.compile:
             block.compile()  # compile each block before sharding it, as torchtitan does
         fully_shard(block, **kwargs)
-    inside, custom = {p for b in blocks for p in b.parameters()}, hasattr(task, "train_step")
-    for child in model.children() if custom else []:  # a step may call one: it gathers itself
-        if child not in blocks and set(child.parameters()) - inside:
-            fully_shard(child, **kwargs)
+    for child in children.values():
+        fully_shard(child, **kwargs)
     fully_shard(model, **kwargs)
     if custom:
         model._get_fsdp_state()._lazy_init()  # the root is root, whichever unit runs first
@@ -244,21 +252,18 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DDP) else model
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> Any:
-    """A context manager: gradients are exchanged in the backward pass only when `enabled`.
-
-    DDP: `no_sync()`. FSDP2: `set_requires_gradient_sync`, which also keeps the gradients
-    unsharded until the last micro-batch of an accumulation group."""
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """No gradients exchanged in the backward passes inside: DDP's `no_sync()`; FSDP2's
+    `set_requires_gradient_sync(False)`, which also keeps the gradients unsharded until the last
+    micro-batch of an accumulation group."""
     inner = getattr(model, "_orig_mod", model)
     if isinstance(inner, DDP):
-        return inner.no_sync()
-    return _fsdp_no_sync(inner)
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
+        with inner.no_sync():
+            yield
+        return
+    inner.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        inner.set_requires_gradient_sync(True)

@@ -19,7 +19,7 @@ from .config import Config
 from .data import BatchFetcher, ShardedBatchSampler
 from .failures import ProjectError, UsageError
 from .optim import AMP_DTYPES, optimizer_state
-from .parallel import model_blocks, rows_on_rank, second_stage, shard_group_size
+from .parallel import rows_on_rank, second_stage, shard_group_size, usable_blocks
 
 RESERVE_GB = 2.0  # per GPU: the CUDA context, NCCL's buffers, the caching allocator's slack
 LAYOUTS = ("data_parallel", "fsdp", "model_parallel_2")
@@ -43,12 +43,9 @@ def static_memory(cfg: Config, layout: str, world: int,
     cfg = dataclasses.replace(cfg, model_layout=layout)
     with torch.device("meta"):
         model = task.build_model(cfg)
-    blocks = model_blocks(model, task) or []
+    blocks = usable_blocks(model, task, cfg)  # the run's refusals (parallel.parallelize)
     # fsdp shards over groups of --shard-group-size ranks (HSDP; 0: a node when there are several)
     shards = shard_group_size(cfg.shard_group_size, world, per_node) if layout == "fsdp" else 1
-    if layout == "model_parallel_2" and len(blocks) < 2:  # parallel.parallelize's refusal
-        raise UsageError(f"model_parallel_2 needs to know where to split {type(model).__name__}: "
-                         "define blocks(model) in task.py")
     second = second_stage(model, blocks) if layout == "model_parallel_2" else set()
     owner = {id(t): int(m in second) for m in model.modules()
              for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
@@ -127,8 +124,9 @@ def activations(cfg: Config, train_set: Any, param_bytes: int) -> tuple[list[int
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     if train_set is None or (ram and 4 * param_bytes > ram // 2):
         return None, f"not measured: {'no data' if train_set is None else 'too large for this RAM'}"
-    model = task.build_model(dataclasses.replace(cfg, model_layout="data_parallel"))
-    blocks = model_blocks(model, task) or []
+    cfg = dataclasses.replace(cfg, model_layout="data_parallel")
+    model = task.build_model(cfg)
+    blocks = usable_blocks(model, task, cfg)
     second = second_stage(model, blocks) if len(blocks) > 1 else set()
     fetch = BatchFetcher(train_set, getattr(task, "collate", None))
     dtype = AMP_DTYPES[cfg.precision]
@@ -252,6 +250,7 @@ def plan(cfg: Config, world: int, gpu_gb: float, per_node: int) -> int:
     except Exception as exc:  # e.g. weights read from a file, or a value from a tensor
         raise UsageError(f"task.build_model cannot build the model on the meta device, which "
                          f"the plan needs ({type(exc).__name__}: {exc})") from None
+    usable_blocks(model, task, cfg)  # what the run refuses for want of blocks, the plan refuses
     params = list(model.parameters())
     samples, source, train_set = training_data(cfg)
     acts, how = activations(cfg, train_set, sum(p.numel() * p.element_size() for p in params))

@@ -193,4 +193,5 @@ def test_text_prepared_as_token_shards_trains_and_another_tokenizer_is_refused(w
 
     assert shards("other", 290)["tokenizer"] != index["tokenizer"]  # also padded to 320
     flags[1] = "other"
-    assert "another tokenizer" in one_error(python_train([*flags, "--max-steps", "30"], workdir))
+    refused = python_train([*flags, "--max-steps", "30"], workdir)  # refused before "resumed"
+    assert "another tokenizer" in one_error(refused) and "resumed from" not in refused.stdout

@@ -151,9 +151,10 @@ class Checkpointer:
                 "checkpoint_dir": str(storage.location(self.cfg.checkpoint_dir))}
 
     # ---------------------------------------------------------------- resuming
-    def resume(self, batches_per_epoch: int) -> dict[str, Any] | None:
+    def resume(self, batches_per_epoch: int, data: dict[str, Any]) -> dict[str, Any] | None:
         """Apply --resume: rank 0 chooses, every rank loads. Returns the checkpoint's metadata
-        with `position`, the (epoch, batch, step) to go on from; None: nothing to resume."""
+        with `position`, the (epoch, batch, step) to go on from; None: nothing to resume. `data`:
+        the training set's summary (its tokenizer and shuffle window, checked)."""
         with self.lifeline.waiting("rank 0 to open --checkpoint-dir and choose a checkpoint",
                                    "check that rank 0 is alive and its storage answers",
                                    phase="checkpoint I/O"):
@@ -169,7 +170,7 @@ class Checkpointer:
                       "schedules and the position start afresh", flush=True)
             return None
         epoch, batch, step = restore_position(meta, self.cfg, self.world.world_size,
-                                              batches_per_epoch, path, say=self.world.is_main)
+                                              batches_per_epoch, path, self.world.is_main, data)
         self.resumed_from, self.saved_step = str(path), step
         for saver in (self.ckpt_dir, self.dcp):  # what an error names as the newest checkpoint
             if saver is not None:

@@ -136,10 +136,14 @@ def load_into(path: Path, model: torch.nn.Module, optim: Optimization, world_siz
 
 
 def restore_position(meta: dict[str, Any], cfg: Config, world_size: int, batches_per_epoch: int,
-                     path: Path, say: bool) -> tuple[int, int, int]:
+                     path: Path, say: bool, data: dict[str, Any]) -> tuple[int, int, int]:
     """(epoch, batch of the epoch, step) to go on from. From another world or batch size: after
-    the same number of samples; if the data shrank below that: the next epoch."""
+    the same number of samples; if the data shrank below that: the next epoch. Refused: `data`
+    (the training set's summary) of another tokenizer, or mid-epoch of another shuffle window."""
     epoch, batch, step = meta["epoch"], meta["batch_in_epoch"], meta["step"]
+    if (saved := meta.get("data", {}).get("tokenizer")) and saved != data.get("tokenizer"):
+        raise UsageError(f"{path} was trained on tokens of another tokenizer than --data's; use "
+                         "--data with its shard set, or --resume never", everywhere=True)
     per_batch = cfg.batch_size * world_size
     if (meta["world_size"], meta["batch_size"]) != (world_size, cfg.batch_size):
         seen = meta["samples_in_epoch"]
@@ -155,6 +159,11 @@ def restore_position(meta: dict[str, Any], cfg: Config, world_size: int, batches
                   f"{batches_per_epoch}; going on with epoch {epoch + 1}", file=sys.stderr,
                   flush=True)
         epoch, batch = epoch + 1, 0
+    window = meta.get("config", {}).get("shuffle_window")
+    if batch and window != data.get("shuffle_window", window):
+        raise UsageError(f"{path} is part way through an epoch of --shuffle-window {window}: give "
+                         "that window again (another would train samples twice or never)",
+                         everywhere=True)
     return epoch, batch, step
 
 

@@ -65,7 +65,7 @@ class Lifeline:
         self.rank, self.timeout_s = rank, timeout_s
         self._backstop = Backstop(rank, Path(output_dir) / f"stacks-rank{rank}.txt", launcher_pid)
         self._phase = "starting"  # then "training", then "finishing"
-        self._resume_hint = "nothing to save"
+        self._hint = "nothing to save"
         self.stop_signal: int | None = None
         self.cleanups: list[Callable[[], None]] = []  # run before the process is ended here
         self._first_signal_at = 0.0
@@ -76,25 +76,12 @@ class Lifeline:
         self._old_wakeup_fd = -1
         self._thread = threading.Thread(target=self._watch, name="lifeline", daemon=True)
 
-    @property
-    def phase(self) -> str:
-        return self._phase
-
-    @phase.setter
-    def phase(self, value: str) -> None:
-        self._phase = value
+    def tell(self, what: str, value: str) -> None:
+        """`phase` ("training", then "finishing") or `hint` (what a resume would continue from):
+        kept here and told the backstop, which says them where it must end the process."""
+        setattr(self, f"_{what}", value)
         if self._backstop:
-            self._backstop.tell("phase", value)
-
-    @property
-    def resume_hint(self) -> str:
-        return self._resume_hint
-
-    @resume_hint.setter
-    def resume_hint(self, value: str) -> None:
-        self._resume_hint = value
-        if self._backstop:
-            self._backstop.tell("hint", value)
+            self._backstop.tell(what, value)
 
     def start(self) -> Lifeline:
         """Install the signal handlers (main thread only), start the backstop and watching."""
@@ -180,7 +167,7 @@ class Lifeline:
         elif (signum in ENDING and self.stop_signal in ENDING
               and now - self._first_signal_at > SAME_EVENT_S):
             what = "Ctrl-C" if signum == signal.SIGINT else name
-            self._end(f"second {what}: stopping now without saving; {self._resume_hint}",
+            self._end(f"second {what}: stopping now without saving; {self._hint}",
                       128 + signum)
 
     def _end(self, line: str, code: int) -> None:

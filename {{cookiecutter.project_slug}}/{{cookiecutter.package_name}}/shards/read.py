@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 
 from ..checkpoint import storage
 from ..failures import RunFailure, UsageError
-from . import INDEX, TOKENIZER, checksum
+from . import INDEX, checksum
 
 TRIES = 4  # a failing download is tried this often, pauses growing, all within --timeout-s
 
@@ -54,12 +54,6 @@ def is_shard_set(data: str | None) -> bool:
 
 def read_index(data: str) -> dict[str, Any]:
     return json.loads((storage.location(data) / INDEX).read_text())
-
-
-def load_tokenizer(data: str) -> Any:
-    """The shard set's tokenizer (Hugging Face `tokenizers`)."""
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(storage.local_copy(storage.location(data) / TOKENIZER)))
 
 
 def shard_parts(cfg: Any, train: Callable | None = None, val: Callable | None = None,

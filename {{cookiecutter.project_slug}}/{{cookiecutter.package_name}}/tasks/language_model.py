@@ -38,10 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from .checkpoint import storage
 from .data import InMemoryDataset, split_for_validation
 from .failures import UsageError
 from .settings import setting
-from .shards.read import is_shard_set, load_tokenizer, read_index, shard_parts
+from .shards import TOKENIZER
+from .shards.read import is_shard_set, read_index, shard_parts
 
 if TYPE_CHECKING:  # for the type hints only
     from .config import Config
@@ -256,6 +258,12 @@ def eval_metrics(model: nn.Module, windows: torch.Tensor) -> dict:
 def finalize_metrics(averages: dict[str, float]) -> dict[str, float]:
     """Perplexity is exp(mean loss per token), not a sum over samples: derived here."""
     return {**averages, "perplexity": math.exp(min(averages["loss"], 50.0))}
+
+
+def load_tokenizer(data: str) -> Any:
+    """The shard set's tokenizer (Hugging Face `tokenizers`), kept beside its shards."""
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(storage.local_copy(storage.location(data) / TOKENIZER)))
 
 
 def predict(model: nn.Module, inputs: list[str], cfg: Config, new_tokens: int = 40) -> list[str]:
