@@ -8,7 +8,7 @@
 # make gpu-levers: on one GPU, what each of the language-model task's levers is worth at GPT-2 small
 # in about 7 minutes (bench/levers.py; results in bench/results/levers/).
 PYTHON ?= python3
-# Installed only when `import torch` fails. Override for your platform, e.g. TORCH="torch==2.6.0".
+# Installed only when `import torch` fails. Override for your platform, e.g. TORCH="torch==2.14.1".
 TORCH ?= torch==2.13.0
 
 .PHONY: setup demo test lint bench gpu-check gpu-levers
