@@ -76,7 +76,7 @@ def check(version: str, cache: Path) -> bool:
     workers = ["-n", "2"] if "pytest-xdist" in (project / "pyproject.toml").read_text() else []
     parts = []
     for name, args in (("pytest -q", []), ("--full seams", ["--full", *workers, *SEAMS])):
-        log = work / f"{name.strip('-').replace(' ', '-')}.txt"
+        log = work / ("fast.txt" if name == "pytest -q" else "full-seams.txt")
         code = run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], project, log)
         passed, failed = counts(log)
         parts.append((name, passed, failed or int(code != 0)))
