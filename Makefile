@@ -5,13 +5,17 @@
 # make bench: the benchmark (not part of the tests).
 # make gpu-check: on a GPU machine, the default project's quickstart, tests and GPU benchmark in
 # about 8 minutes (bench/gpu_check.py; results in bench/results/gpu-check/).
+# make torch-range TORCH="2.13.0 2.14.1": the default project's `pytest -q` and the --full tests of
+# its private-torch seams on each torch release, installed as a user does (bench/torch_range.py;
+# wheels cached in ~/.cache/torch-range; 10-20 minutes per release). Without TORCH: the releases
+# the generated workflow's matrix names.
 # make gpu-levers: on one GPU, what each of the language-model task's levers is worth at GPT-2 small
 # in about 7 minutes (bench/levers.py; results in bench/results/levers/).
 PYTHON ?= python3
-# Installed only when `import torch` fails. Override for your platform, e.g. TORCH="torch==2.6.0".
+# Installed only when `import torch` fails. Override for your platform, e.g. TORCH="torch==2.14.1".
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench gpu-check gpu-levers
+.PHONY: setup demo test lint bench gpu-check gpu-levers torch-range
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH)"
@@ -39,3 +43,7 @@ gpu-check:
 
 gpu-levers:
 	$(PYTHON) bench/levers.py $(if $(WHEELS),--wheels $(WHEELS))
+
+# TORCH given on the command line: its releases ("torch==" may prefix them); else the matrix's.
+torch-range:
+	$(PYTHON) bench/torch_range.py $(if $(filter command line,$(origin TORCH)),$(TORCH))

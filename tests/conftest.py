@@ -95,7 +95,8 @@ def expected_files(package: str, answers: dict) -> set[str]:
         "test_data", "test_doc_commands",
         "test_distributed", "test_docs", "test_ema", "test_features", "test_hangs", "test_hsdp", "test_launchers",
         "test_layouts", "test_mistakes", "test_nccl", "test_network", "test_object_storage", "test_plan",
-        "test_recovery", "test_shards", "test_task", "test_tracker", "test_train", "s3server")}
+        "test_recovery", "test_shards", "test_task", "test_torch_private", "test_tracker", "test_train",
+        "s3server")}
     files |= {f"{package}/{name}.py" for name in (
         "__init__", "config", "data", "doctor", "ema", "evaluation", "failures", "loop", "main", "meters", "metrics",
         "optim", "parallel", "plan", "settings", "step", "task")}
@@ -104,7 +105,7 @@ def expected_files(package: str, answers: dict) -> set[str]:
     files |= {f"{package}/shards/{name}.py" for name in ("__init__", "__main__", "read", "write")}
     files |= {f"{package}/runtime/{name}.py" for name in (
         "__init__", "backstop", "comm_hooks", "environments", "launch", "lifeline", "nccl", "network", "prefetch",
-        "rendezvous", "trackers", "workarounds", "workers")}
+        "rendezvous", "torch_private", "trackers", "workarounds", "workers")}
     if answers.get("task") == "language_model":
         files.add("configs/gpt2-small.toml")
     if answers.get("slurm", True):

@@ -277,9 +277,8 @@ def test_stale_and_fresh_store_files(tmp_path: Path):
 
 def test_windows_branches(tmp_path: Path):
     assert resolve_backend("auto", cuda_count=2, nccl_available=True, platform="win32") == "gloo"
-    assert windows_env("win32", "2.4.1+cu121") == {"USE_LIBUV": "0"}
-    assert windows_env("win32", "2.3.1") == {}
-    assert windows_env("linux", "2.13.0") == {}
+    assert windows_env("win32") == {"USE_LIBUV": "0"}
+    assert windows_env("linux") == {}
     world = World(0, 0, 1, 1, "none", "127.0.0.1", 1, "w")
     # Without a launcher, Windows meets through a file instead of a TCP store.
     assert resolve_rendezvous("env", world, tmp_path, platform="win32").kind == "file"
@@ -308,7 +307,7 @@ def test_nccl_settings_fail_fast_leave_a_trace_and_never_override_the_user(tmp_p
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     dump = str((tmp_path / "out").resolve() / "nccl_flight_recorder" / "rank_")
-    assert env["TORCH_FR_DUMP_TEMP_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == dump
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == dump
     assert int(env["TORCH_FR_BUFFER_SIZE"]) > 0
     mine = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_FR_BUFFER_SIZE": "0"}
     kept = nccl_env(tmp_path, mine)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .runtime.torch_private import foreach_decay
+
 
 def local_part(p: torch.Tensor) -> torch.Tensor:
     """A parameter's tensor on this rank: its shard under fsdp (a DTensor), else itself."""
@@ -31,14 +33,13 @@ class EMA:
     @torch.no_grad()
     def restart(self) -> None:
         """Start the average again from the weights as they are (a checkpoint had none)."""
-        torch._foreach_copy_(self.averages, [local_part(p).float() for p in self.params])
+        for average, p in zip(self.averages, self.params, strict=True):
+            average.copy_(local_part(p))
 
     @torch.no_grad()
     def update(self) -> None:
         """After an optimizer step: fold the new weights in (no host sync, no collective)."""
-        weights = [local_part(p).float() for p in self.params]
-        torch._foreach_mul_(self.averages, self.decay)
-        torch._foreach_add_(self.averages, weights, alpha=1.0 - self.decay)
+        foreach_decay(self.averages, [local_part(p).float() for p in self.params], self.decay)
 
     @contextmanager
     @torch.no_grad()

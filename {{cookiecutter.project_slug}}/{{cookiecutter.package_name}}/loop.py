@@ -31,7 +31,7 @@ from .runtime.comm_hooks import PowerSGD
 from .runtime.environments import World
 from .runtime.lifeline import Lifeline
 from .runtime.rendezvous import collective_device
-from .runtime.workarounds import set_group_timeout
+from .runtime.torch_private import set_group_timeout
 from .step import Step, check_values, plain_step
 
 

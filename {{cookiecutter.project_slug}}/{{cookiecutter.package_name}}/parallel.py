@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from .config import Config
 from .data import move_to
 from .failures import UsageError
+from .runtime.torch_private import compile_supported, fsdp_for_own_step, uncompiled
 
 
 def model_blocks(model: nn.Module, task: Any) -> list[nn.Module] | None:
@@ -129,7 +130,7 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
         elif is_main:
             print("warning: --sync-bn needs CUDA; keeping per-process BatchNorm on CPU",
                   file=sys.stderr, flush=True)
-    if cfg.compile and not getattr(torch._dynamo, "is_dynamo_supported", lambda: True)():
+    if cfg.compile and not compile_supported():
         raise UsageError(f"--compile: torch.compile does not support Python "
                          f"{sys.version.split()[0]} on {sys.platform} with PyTorch "
                          f"{torch.__version__}; run without --compile", everywhere=True)
@@ -216,12 +217,9 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
         fully_shard(child, **kwargs)
     fully_shard(model, **kwargs)
     if custom:
-        model._get_fsdp_state()._lazy_init()  # the root is root, whichever unit runs first
-        for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
-            for group in getattr(unit._get_fsdp_state(), "_fsdp_param_groups", ()):
-                group.post_backward = functools.partial(_post_backward, group, group.post_backward)
+        fsdp_for_own_step(model, [m for m in model.modules() if isinstance(m, FSDPModule)])
         for name, module in [] if cfg.compile else model.named_modules():
-            if not isinstance(module, FSDPModule) and module._parameters:
+            if not isinstance(module, FSDPModule) and list(module.parameters(recurse=False)):
                 module.register_forward_pre_hook(functools.partial(_check_gathered, name))
     return model
 
@@ -237,18 +235,9 @@ def _check_gathered(name: str, module: nn.Module, args: Any) -> None:
                          "a child of the model or a block (docs/custom-step.md)", everywhere=True)
 
 
-def _post_backward(group: Any, post_backward: Callable, *args: Any) -> None:
-    """FSDP2's post-backward of one unit, except that a backward that builds a graph (a gradient
-    penalty's create_graph) leaves the gathered weights to the backward through that graph."""
-    keep = group.reshard_after_backward
-    group.reshard_after_backward = keep and not torch.is_grad_enabled()
-    post_backward(*args)
-    group.reshard_after_backward = keep
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside torch.compile and DDP: whose state_dict has no prefixes."""
-    model = getattr(model, "_orig_mod", model)
+    model = uncompiled(model)
     return model.module if isinstance(model, DDP) else model
 
 
@@ -257,7 +246,7 @@ def no_gradient_sync(model: nn.Module) -> Iterator[None]:
     """No gradients exchanged in the backward passes inside: DDP's `no_sync()`; FSDP2's
     `set_requires_gradient_sync(False)`, which also keeps the gradients unsharded until the last
     micro-batch of an accumulation group."""
-    inner = getattr(model, "_orig_mod", model)
+    inner = uncompiled(model)
     if isinstance(inner, DDP):
         with inner.no_sync():
             yield

@@ -20,6 +20,7 @@ from .config import Config
 from .failures import UsageError
 from .metrics import OWN_FIELDS
 from .optim import Optimization
+from .runtime.torch_private import ready_ddp_backward, uncompiled
 
 
 class Step:
@@ -37,7 +38,7 @@ class Step:
     def __init__(self, model: nn.Module, module: nn.Module, optim: Optimization,
                  cfg: Config) -> None:
         self.model, self.module, self.cfg, self.optim = model, module, cfg, optim
-        self.ddp = ddp if isinstance(ddp := getattr(model, "_orig_mod", model), DDP) else None
+        self.ddp = ddp if isinstance(ddp := uncompiled(model), DDP) else None
         self.optimizers, self.autocast = optim.optimizers, optim.autocast
         self.number, self.weight, self.last = 0, 1.0, True
 
@@ -50,9 +51,7 @@ class Step:
         reducer is readied from the loss, as Lightning does: gradients are exchanged whatever
         path the forward took (step.model, or submodules of step.module called directly)."""
         if (ddp := self.ddp) is not None and ddp.require_backward_grad_sync:  # not in no_sync
-            ddp.reducer._rebuild_buckets()  # (once, at the second step) as DDP's forward does
-            ddp.reducer.prepare_for_backward(
-                [loss] if ddp.find_unused_parameters and not ddp.static_graph else [])
+            ready_ddp_backward(ddp, loss)
         self.optim.backward(loss if self.weight == 1.0 else loss * self.weight)
 
     def update(self, name: str | None = None) -> None:

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import Config
 from ..failures import UsageError
+from .torch_private import uncompiled
 
 
 # The hooks' `bucket` is a dist.GradBucket. It is not annotated: DDP compares the annotation with
@@ -34,7 +35,7 @@ def bf16_compress(process_group: Any, bucket):
 
 def register_comm_hook(model: nn.Module, cfg: Config) -> PowerSGD | None:
     """Register --comm-hook on the DDP in `model` (none in fsdp); the PowerSGD hook, else None."""
-    ddp = getattr(model, "_orig_mod", model)  # inside torch.compile
+    ddp = uncompiled(model)
     if cfg.comm_hook == "none" or not isinstance(ddp, DDP):
         return None
     if cfg.comm_hook in ("fp16", "bf16"):

@@ -21,11 +21,9 @@ def nccl_env(output_dir: str | Path, environ: Mapping[str, str]) -> dict[str, st
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
         # The flight recorder: the last collectives of every rank, kept in memory ...
         "TORCH_FR_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # its name before torch 2.7
         # ... and written to <output-dir>/nccl_flight_recorder/rank_<N> when a collective times out.
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": dump,
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump,  # its name before torch 2.7
     }
     return {name: value for name, value in wanted.items() if name not in environ}
 

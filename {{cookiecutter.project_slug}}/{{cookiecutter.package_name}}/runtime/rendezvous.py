@@ -235,7 +235,7 @@ def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
               devices: list[torch.device], lifeline: Lifeline) -> dist.Store:
     """Set the device and join the process group, under one --timeout-s deadline (a rank that never
     meets its peers ends with an `error:` line, not a hang); returns the job's key-value store."""
-    for name, value in windows_env(sys.platform, torch.__version__).items():
+    for name, value in windows_env(sys.platform).items():
         os.environ.setdefault(name, value)
     if devices[0].type == "cuda":
         torch.cuda.set_device(devices[0])

@@ -18,6 +18,8 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
+from .torch_private import stop_restarts, wrap_agent_monitor
+
 UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN}  # a host that is gone
 
 
@@ -79,23 +81,12 @@ def agent_store(host: str, port: int, world_size: int, timeout_s: float) -> dist
     return dist.PrefixStore(f"/worker/attempt_{attempt}", store)
 
 
-def windows_env(platform: str, torch_version: str) -> dict[str, str]:
+def windows_env(platform: str) -> dict[str, str]:
     """Environment Windows needs before any TCP store starts. Without it: PyTorch 2.4+ defaults to
     a libuv TCPStore, missing from its Windows builds ("use_libuv was requested but PyTorch was
     built without libuv support"). Upstream: https://github.com/pytorch/pytorch/issues/139990
     (init_process_group defaults to USE_LIBUV=0 there since 2.7, #148266; torchrun not, #178600)."""
-    if platform != "win32":
-        return {}
-    major, minor = (int(part) for part in torch_version.split(".")[:2])
-    return {"USE_LIBUV": "0"} if (major, minor) >= (2, 4) else {}
-
-
-def set_group_timeout(timeout_s: float) -> None:
-    """Change the default process group's timeout after it started (NCCL: long for start-up and the
-    first step, then --timeout-s). Without it: one timeout for the whole run, either too short for
-    NCCL's start-up or too long to notice a stalled rank in training. PyTorch has only this private
-    function for it (https://github.com/pytorch/pytorch/pull/115453, torch 2.3+; torchtitan too)."""
-    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+    return {"USE_LIBUV": "0"} if platform == "win32" else {}
 
 
 def use_libuv() -> bool:
@@ -110,7 +101,6 @@ def torchrun_quietly(argv: list[str]) -> int:
     (SignalException: https://github.com/pytorch/pytorch/pull/61602). Its agent has no notion of a
     failure not worth a restart: here it reads each worker's error file, whose "final"
     failures.leave_for_torchrun sets. Seen with torch 2.5 to 2.13."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -118,21 +108,20 @@ def torchrun_quietly(argv: list[str]) -> int:
     def final(failures: dict) -> bool:
         return any(f.error_file_data.get("final") for f in failures.values())
 
-    monitor, log = LocalElasticAgent._monitor_workers, logging.getLogger(api.__name__)
+    log = logging.getLogger(api.__name__)
 
-    def no_restart_if_final(agent: LocalElasticAgent, group: Any) -> Any:
+    def no_restart_if_final(monitor: Any, agent: Any, group: Any) -> Any:
         held: list[logging.LogRecord] = []  # its lines on a failure: said unless final
         log.addFilter(held.append)
         result = monitor(agent, group)
         log.removeFilter(held.append)
-        if final(result.failures):
-            agent._remaining_restarts = 0
+        if final(result.failures) and stop_restarts(agent):
             held.clear()
         for record in held:
             log.handle(record)
         return result
 
-    LocalElasticAgent._monitor_workers = no_restart_if_final
+    wrap_agent_monitor(no_restart_if_final)
     logging.getLogger("torch.distributed.run").propagate = False  # plain lines, as from torchrun
     try:
         run(parse_args(argv))

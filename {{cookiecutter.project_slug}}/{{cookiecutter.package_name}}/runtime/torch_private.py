@@ -1,0 +1,122 @@
+"""Every private PyTorch API the project uses, and only here: callers call plain functions. Each
+entry names what it reaches into and what a torch without it gets: a fallback that keeps the result
+right (said in a `note:` line) or one `error:` line naming the feature and the torch version. All
+are tested on torch 2.13.0 and 2.14.1 (the template's `make torch-range`, 2026-11-28), and each
+without its attribute (tests/test_torch_private.py)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..failures import UsageError
+
+
+def missing(feature: str, what: str) -> UsageError:
+    return UsageError(f"{feature} needs {what}, which torch {torch.__version__} lacks; install a "
+                      "torch of docs/configuration.md's \"Supported versions\"", everywhere=True)
+
+
+def note(what: str) -> bool:
+    print(f"note: torch {torch.__version__} has no {what}", file=sys.stderr, flush=True)
+    return False
+
+
+def set_group_timeout(timeout_s: float) -> None:
+    """The default group's timeout changed after start-up (NCCL: long for start-up and the first
+    step, then --timeout-s): distributed_c10d._set_pg_timeout, PyTorch's only way (#115453).
+    Missing: a note; the start-up timeout stays (a stalled rank is noticed later)."""
+    if hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+    else:
+        note("distributed_c10d._set_pg_timeout: the start-up timeout stays")
+
+
+def wrap_agent_monitor(wrap: Callable[[Callable, Any, Any], Any]) -> None:
+    """torchrun's agent calls `wrap(monitor, agent, group)` for each check of its workers
+    (LocalElasticAgent._monitor_workers). Missing: a note; it restarts whatever failed."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    if callable(monitor := vars(LocalElasticAgent).get("_monitor_workers")):  # not the base's
+        LocalElasticAgent._monitor_workers = lambda agent, group: wrap(monitor, agent, group)
+    else:
+        note("LocalElasticAgent._monitor_workers: a mistake is retried at each restart")
+
+
+def stop_restarts(agent: Any) -> bool:
+    """No more restarts for torchrun's `agent` (SimpleElasticAgent._remaining_restarts). Missing:
+    a note, and False: it restarts."""
+    if not isinstance(getattr(agent, "_remaining_restarts", None), int):
+        return note("SimpleElasticAgent._remaining_restarts: a mistake is retried at each restart")
+    agent._remaining_restarts = 0
+    return True
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module in torch.compile's wrapper (OptimizedModule._orig_mod), else `model`. Missing:
+    an error line naming --compile."""
+    if type(model).__name__ != "OptimizedModule":
+        return model
+    if not isinstance(inner := dict(model.named_children()).get("_orig_mod"), nn.Module):
+        raise missing("--compile", "OptimizedModule._orig_mod (the module torch.compile wraps)")
+    return inner
+
+
+def compile_supported() -> bool:
+    """Whether torch.compile runs on this Python and platform (torch._dynamo.is_dynamo_supported).
+    Missing: True, and torch.compile's own error says so when it does not."""
+    return getattr(torch._dynamo, "is_dynamo_supported", lambda: True)()
+
+
+def ready_ddp_backward(ddp: nn.Module, loss: torch.Tensor) -> None:
+    """DDP's reducer readied from the loss as its forward does (Reducer._rebuild_buckets, then
+    prepare_for_backward; as Lightning): gradients are exchanged whatever path a step's forward
+    took. Missing: an error line (every step under DDP uses it)."""
+    reducer = getattr(ddp, "reducer", None)
+    if not all(hasattr(reducer, f) for f in ("_rebuild_buckets", "prepare_for_backward")):
+        raise missing("a step under DDP", "DistributedDataParallel's reducer.prepare_for_backward")
+    reducer._rebuild_buckets()  # (once, at the second step) as DDP's forward does
+    reducer.prepare_for_backward([loss] if ddp.find_unused_parameters and not ddp.static_graph
+                                 else [])
+
+
+def fsdp_for_own_step(model: nn.Module, units: list[nn.Module]) -> None:
+    """A train_step of one's own under fsdp: the root unit initialised first (FSDPState._lazy_init);
+    each unit's FSDPParamGroup.post_backward keeps its weights gathered after a backward building a
+    graph (a gradient penalty's create_graph), for the backward through it. Missing: error line."""
+    states = [getattr(unit, "_get_fsdp_state", lambda: None)() for unit in units]
+    groups = [g for s in states for g in getattr(s, "_fsdp_param_groups", None) or []]
+    if not (all(hasattr(s, "_lazy_init") and hasattr(s, "_fsdp_param_groups") for s in states)
+            and all(hasattr(g, "post_backward") and hasattr(g, "reshard_after_backward")
+                    for g in groups)):
+        raise missing("a train_step of one's own under --model-layout fsdp",
+                      "FSDP2's FSDPState._lazy_init and _fsdp_param_groups")
+    model._get_fsdp_state()._lazy_init()  # the root is root, whichever unit runs first
+    for group in groups:
+        group.post_backward = _keep_gathered_for_graph(group, group.post_backward)
+
+
+def _keep_gathered_for_graph(group: Any, post_backward: Callable) -> Callable:
+    def run(*args: Any) -> None:
+        keep = group.reshard_after_backward
+        group.reshard_after_backward = keep and not torch.is_grad_enabled()
+        post_backward(*args)
+        group.reshard_after_backward = keep
+    return run
+
+
+def foreach_decay(averages: list[torch.Tensor], new: list[torch.Tensor], decay: float) -> None:
+    """averages = averages * decay + new * (1 - decay), one kernel each (torch._foreach_mul_,
+    _foreach_add_). Missing: per tensor, the same operations."""
+    if not (hasattr(torch, "_foreach_mul_") and hasattr(torch, "_foreach_add_")):
+        for average, value in zip(averages, new, strict=True):
+            average.mul_(decay).add_(value, alpha=1.0 - decay)
+        return
+    torch._foreach_mul_(averages, decay)
+    torch._foreach_add_(averages, new, alpha=1.0 - decay)
