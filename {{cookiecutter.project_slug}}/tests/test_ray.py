@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -51,44 +50,49 @@ LAST_STEP = 64
 LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def tagged(tag: str) -> list[int]:
-    """The processes whose environment holds `tag`: this file's Ray cluster and its workers."""
+def group(pgid: int) -> list[int]:
+    """The processes of process group `pgid`: the Ray cluster `ray start` started in it."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if tag.encode() in Path(f"/proc/{pid}/environ").read_bytes():
-                found.append(int(pid))
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
         except OSError:
-            pass  # gone, or not ours to read
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid:
+            found.append(int(pid))
     return found
 
 
 @pytest.fixture(scope="module")
 def cluster() -> dict[str, str]:
-    """A Ray cluster of 2 CPUs for this file; the variables that reach it. Ended by killing its
-    own processes (`ray stop` would stop every cluster on the machine)."""
+    """A Ray cluster of 2 CPUs for this file, in a process group of its own; the variables that
+    reach it. Ended by killing that group (`ray stop` would stop every cluster on the machine)."""
     skip_unless_example_task()
-    tag = f"ddp-test-{uuid.uuid4().hex}"
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must be short
     port = find_free_port()
-    env = {**LOOPBACK, "DDP_TEST_RAY_CLUSTER": tag}
+    start = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ray")), "start", "--head", "--node-ip-address",
+         "127.0.0.1", "--port", str(port), "--num-cpus", "2", "--disable-usage-stats",
+         "--include-dashboard=false", "--temp-dir", temp], env=child_env(**LOOPBACK),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        started = subprocess.run(
-            [str(Path(sys.executable).with_name("ray")), "start", "--head", "--node-ip-address",
-             "127.0.0.1", "--port", str(port), "--num-cpus", "2", "--disable-usage-stats",
-             "--include-dashboard=false", "--temp-dir", temp],
-            env=child_env(**env), capture_output=True, text=True, timeout=120)
-        assert started.returncode == 0, started.stdout + started.stderr
-        yield {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+        out, _ = start.communicate(timeout=120)
+        assert start.returncode == 0, out
+        yield {"RAY_ADDRESS": f"127.0.0.1:{port}", "pgid": str(start.pid)}
     finally:
-        for pid in tagged(tag):
+        start.kill()
+        for pid in group(start.pid):
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def ray_env(cluster: dict[str, str]) -> dict[str, str]:
+    return child_env(**LOOPBACK, RAY_ADDRESS=cluster["RAY_ADDRESS"])
+
+
 def train_ray(args: list[str], cwd: Path, cluster: dict[str, str],
               timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, env=child_env(**cluster),
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, env=ray_env(cluster),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -107,22 +111,22 @@ def reference(cluster, tmp_path_factory) -> dict:
     return final_model(workdir / "checkpoints")
 
 
-def test_trains_in_rays_process_group(reference):
-    assert reference
+def test_trains_in_rays_process_group_and_reports_to_ray(reference):
+    assert reference  # the `reference` fixture's run, checked there
 
 
 def test_a_killed_worker_is_restarted_and_ends_bit_for_bit(cluster, reference, tmp_path):
     """SIGKILL a worker once step 20 is saved: Ray restarts the group (--max-restarts 1), which
     resumes from the project's newest checkpoint, as under torchrun."""
     job = subprocess.Popen([sys.executable, SCRIPT, "--workers", "2", "--max-restarts", "1",
-                            *FLAGS], cwd=tmp_path, env=child_env(**cluster),
+                            *FLAGS], cwd=tmp_path, env=ray_env(cluster),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         while not any(read_meta(p)["step"] >= 20 for p in list_checkpoints(tmp_path / "checkpoints")
                       if p.suffix == ".pt"):
             assert job.poll() is None, job.communicate()
             time.sleep(0.01)
-        workers = [pid for pid in tagged(cluster["DDP_TEST_RAY_CLUSTER"])
+        workers = [pid for pid in group(int(cluster["pgid"]))
                    if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::RayTrainWorker")]
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
