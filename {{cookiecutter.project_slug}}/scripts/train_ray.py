@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from {{ cookiecutter.package_name }}.runtime.ray_train import drive  # noqa: E402
+from {{ cookiecutter.package_name }}.runtime.ray_train import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(drive())
+    sys.exit(main())

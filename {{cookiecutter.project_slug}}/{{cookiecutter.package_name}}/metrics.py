@@ -27,7 +27,7 @@ from .runtime.trackers import MetricsWriter
 # The fields of a metrics.jsonl line that the run writes itself: no logged value may take one.
 OWN_FIELDS = frozenset({"step", "epoch", "lr", "samples_per_s", "tokens_per_s", "mfu", "time_s",
                         "peak_mem_mb", "peak_reserved_mb"})
-# Called with each metrics line on every rank (the same line): scripts/train_ray.py's report.
+# Called with each metrics line on every rank (the same line): a launcher that collects them.
 EVERY_RANK: list[Callable[[dict[str, Any]], None]] = []
 
 

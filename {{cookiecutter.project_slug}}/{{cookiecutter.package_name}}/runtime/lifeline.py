@@ -104,7 +104,7 @@ class Lifeline:
         signals = self._backstop.signals if self._backstop else self._writer
         signals.setblocking(False)
         if threading.current_thread() is not threading.main_thread():
-            self._thread.start()  # Ray Train's thread: Ray owns the process and its signals
+            self._thread.start()  # a launcher's thread: it owns the process's signals
             return self
         for signum in STOP_SIGNALS:
             # A Python-level handler must exist for the C-level one to write to the wakeup fd;

@@ -134,7 +134,7 @@ def connect(workers: int | tuple[int, int]) -> str | None:
     return None
 
 
-def drive(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """The driver: check, connect, fit. Returns the exit code."""
     args, rest = own_flags(sys.argv[1:] if argv is None else argv)
     # The flags, the data and the checkpoint, once (exit 2 for a flag, 1 for the rest); paths

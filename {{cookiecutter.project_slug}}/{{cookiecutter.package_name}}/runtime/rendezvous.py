@@ -245,7 +245,7 @@ def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
     what, hint = f"{others} to join at {rdzv}", _hint(rdzv, world)
     with lifeline.waiting(what, hint, timeout_s, phase="rendezvous"):
         try:
-            if dist.is_initialized():  # Ray Train made the group (scripts/train_ray.py)
+            if dist.is_initialized():  # the launcher made the group: it is ours
                 store = dist.distributed_c10d._get_default_store()
             else:
                 store = _make_store(rdzv, world, timeout_s)
