@@ -8,6 +8,7 @@ mistake the workers find (no restart), too few CPUs, no cluster.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -50,39 +51,53 @@ LAST_STEP = 64
 LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def group(pgid: int) -> list[int]:
-    """The processes of process group `pgid`: the Ray cluster `ray start` started in it."""
+def cluster_processes(temp: str) -> list[int]:
+    """The processes of the Ray cluster whose files are in `temp`: named on their command line,
+    or open (logs, sockets; Ray's agents rewrite their command line, its workers are groups of
+    their own)."""
+    def ours(pid: str) -> bool:
+        try:
+            if temp.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True
+            return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(temp)
+                       for fd in os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            return False  # gone meanwhile
+
+    return [int(pid) for pid in os.listdir("/proc")
+            if pid.isdigit() and int(pid) != os.getpid() and ours(pid)]
+
+
+def train_workers(temp: str) -> list[int]:
+    """The Ray Train workers of the cluster in `temp` (their output goes to its logs)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue  # gone meanwhile
-        if int(fields[2]) == pgid:
-            found.append(int(pid))
+        with contextlib.suppress(OSError):
+            if (Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::RayTrainWorker")
+                    and os.readlink(f"/proc/{pid}/fd/1").startswith(temp)):
+                found.append(int(pid))
     return found
 
 
 @pytest.fixture(scope="module")
 def cluster() -> dict[str, str]:
-    """A Ray cluster of 2 CPUs for this file, in a process group of its own; the variables that
-    reach it. Ended by killing that group (`ray stop` would stop every cluster on the machine)."""
+    """A Ray cluster of 2 CPUs for this file; the variables that reach it, and its folder. Ended
+    by killing its own processes (`ray stop` would stop every cluster on the machine)."""
     skip_unless_example_task()
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must be short
     port = find_free_port()
-    start = subprocess.Popen(
-        [str(Path(sys.executable).with_name("ray")), "start", "--head", "--node-ip-address",
-         "127.0.0.1", "--port", str(port), "--num-cpus", "2", "--disable-usage-stats",
-         "--include-dashboard=false", "--temp-dir", temp], env=child_env(**LOOPBACK),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        out, _ = start.communicate(timeout=120)
-        assert start.returncode == 0, out
-        yield {"RAY_ADDRESS": f"127.0.0.1:{port}", "pgid": str(start.pid)}
+        started = subprocess.run(
+            [str(Path(sys.executable).with_name("ray")), "start", "--head", "--node-ip-address",
+             "127.0.0.1", "--port", str(port), "--num-cpus", "2", "--disable-usage-stats",
+             "--include-dashboard=false", "--temp-dir", temp],
+            env=child_env(**LOOPBACK), capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield {"RAY_ADDRESS": f"127.0.0.1:{port}", "temp": temp}
     finally:
-        start.kill()
-        for pid in group(start.pid):
-            os.kill(pid, signal.SIGKILL)
+        for pid in cluster_processes(temp):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -126,8 +141,7 @@ def test_a_killed_worker_is_restarted_and_ends_bit_for_bit(cluster, reference, t
                       if p.suffix == ".pt"):
             assert job.poll() is None, job.communicate()
             time.sleep(0.01)
-        workers = [pid for pid in group(int(cluster["pgid"]))
-                   if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::RayTrainWorker")]
+        workers = train_workers(cluster["temp"])
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
         out, err = job.communicate(timeout=240)
