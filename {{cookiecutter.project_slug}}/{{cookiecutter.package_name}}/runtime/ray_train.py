@@ -134,6 +134,13 @@ def connect(workers: int | tuple[int, int]) -> str | None:
     return None
 
 
+def storage_path(output_dir: str) -> str:
+    """Where Ray Train keeps its run's records: <output-dir>/ray, a bucket's too."""
+    if "://" in output_dir:
+        return f"{output_dir.rstrip('/')}/ray"
+    return os.path.abspath(os.path.join(output_dir, "ray"))
+
+
 def main(argv: list[str] | None = None) -> int:
     """The driver: check, connect, fit. Returns the exit code."""
     args, rest = own_flags(sys.argv[1:] if argv is None else argv)
@@ -141,9 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     # made absolute from here, and the workers start here too.
     flags = shlex.split(doctor.preflight(rest, caller=os.getcwd()))[1:]
     cfg = parse_args(flags, getattr(task, "Settings", None), warn=False)
-    import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
-    from ray.train.torch import TorchTrainer
+    try:
+        import ray
+        from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+        from ray.train.torch import TorchTrainer
+    except ImportError as exc:
+        print(f"error: scripts/train_ray.py needs Ray Train ({exc}); pip install -e \".[ray]\"",
+              file=sys.stderr, flush=True)
+        return 1
 
     # Ray Train would send every print of the workers through its logger too: each line twice.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
@@ -155,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         worker, train_loop_config={"argv": flags, "cwd": os.getcwd()},
         scaling_config=ScalingConfig(num_workers=args.workers,
                                      use_gpu=bool(ray.cluster_resources().get("GPU"))),
-        run_config=RunConfig(storage_path=os.path.abspath(os.path.join(cfg.output_dir, "ray")),
+        run_config=RunConfig(storage_path=storage_path(cfg.output_dir),
                              failure_config=FailureConfig(max_failures=args.max_restarts)))
     try:
         result = trainer.fit()
