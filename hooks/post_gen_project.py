@@ -23,6 +23,8 @@ UNUSED = {
 TORCHFT = ["train_ft.py", "train.torchft.py", "{package}/fault_tolerance.py", "scripts/train_ft.sh",
            "scripts/bench_ft.py", "scripts/slurm/ft.sbatch", "tests/test_fault_tolerance.py",
            "docs/fault-tolerance.md"]
+# Files of launcher=ray: deleted with the other launchers, which then bake no trace of Ray.
+RAY = ["scripts/train_ray.py", "{package}/runtime/ray_train.py", "tests/test_ray.py"]
 
 def remove(target: Path) -> None:
     if target.is_dir():
@@ -55,13 +57,23 @@ def main() -> None:
     else:
         for rel in TORCHFT:
             remove(root / rel.format(package=ANSWERS["package_name"]))
+    if ANSWERS["launcher"] != "ray":
+        for rel in RAY:
+            remove(root / rel.format(package=ANSWERS["package_name"]))
+    train = (f"scripts/train_local.sh --epochs 3     # {ANSWERS['launcher']}: one process per GPU,"
+             " or 2 on CPU")
+    extras = "dev"
+    if ANSWERS["launcher"] == "ray":
+        train = ("ray start --head --num-cpus 2     # or set RAY_ADDRESS to a running cluster\n"
+                 "  python scripts/train_ray.py --workers 2 --epochs 3")
+        extras = "dev,ray"
     print(f"""
 Created {root}
 
 Next:
   cd {root.name}
-  pip install -e ".[dev]"
-  scripts/train_local.sh --epochs 3     # {ANSWERS["launcher"]}: one process per GPU, or 2 on CPU
+  pip install -e ".[{extras}]"
+  {train}
   pytest -q
 """)
 

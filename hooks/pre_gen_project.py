@@ -46,6 +46,12 @@ def problems(a: dict) -> list[str]:
     if a["fault_tolerance"] == "torchft" and a["model_layout"] != "data_parallel":
         found.append(f"fault_tolerance 'torchft' averages whole gradients across replica groups and needs "
                      f"model_layout 'data_parallel', not {a['model_layout']!r}; choose one of the two")
+    if a["launcher"] == "ray" and a["fault_tolerance"] == "torchft":
+        found.append("launcher 'ray' cannot be used with fault_tolerance 'torchft': Ray Train restarts the "
+                     "whole group, torchft keeps the other replica groups going; choose one of the two")
+    if a["launcher"] == "ray" and truthy(a["windows_support"]):
+        found.append("launcher 'ray' cannot be used with windows_support: Ray Train clusters run on Linux; "
+                     "choose another launcher, or windows_support 'no'")
     return found
 
 

@@ -54,7 +54,10 @@ def is_valid(answers: dict) -> bool:
     they are refused)."""
     return not ((answers.get("windows_support") and answers.get("backend") == "nccl")
                 or (answers.get("fault_tolerance") == "torchft"
-                    and answers.get("model_layout", "data_parallel") != "data_parallel"))
+                    and answers.get("model_layout", "data_parallel") != "data_parallel")
+                or (answers.get("launcher") == "ray"
+                    and (answers.get("fault_tolerance") == "torchft"
+                         or answers.get("windows_support"))))
 
 
 def pairwise_combinations() -> list[dict]:
@@ -118,6 +121,8 @@ def expected_files(package: str, answers: dict) -> set[str]:
                   "k8s/pvc.yaml"}
     if answers.get("github_actions", True):
         files.add(".github/workflows/ci.yml")
+    if answers.get("launcher") == "ray":
+        files |= {"scripts/train_ray.py", f"{package}/runtime/ray_train.py", "tests/test_ray.py"}
     if answers.get("fault_tolerance", "none") == "torchft":
         files |= {"train_ft.py", f"{package}/fault_tolerance.py", "scripts/train_ft.sh", "scripts/bench_ft.py",
                   "tests/test_fault_tolerance.py", "docs/fault-tolerance.md"}

@@ -86,7 +86,8 @@ def test_the_answers_are_the_projects_defaults(baked_once, answers):
     readme = (project / "README.md").read_text()
     local = (project / "scripts/train_local.sh").read_text()
     lead = {"torchrun": "torchrun --standalone", "spawn": "python train.py --nprocs",
-            "launch": "-m torch.distributed.launch"}[answers["launcher"]]
+            "launch": "-m torch.distributed.launch",
+            "ray": "python scripts/train_ray.py"}[answers["launcher"]]
     assert lead in readme.split("## Your model")[0] and lead.split()[-1] in local
     config = (project / "ddp_project/config.py").read_text()
     for name in ("backend", "init_method", "model_layout", "tracker"):
@@ -108,6 +109,15 @@ def test_the_answers_are_the_projects_defaults(baked_once, answers):
         assert "ft" not in extras
         mentions = [rel for rel in project_files(project)
                     if "torchft" in (project / rel).read_text(encoding="utf-8").lower()]
+        assert not mentions, mentions
+    if answers["launcher"] == "ray":
+        assert extras["ray"] == ["ray[train]>=2.60,<3"]
+    else:  # the other launchers bake no trace of Ray: no extra, no file, no word of it
+        assert "ray" not in extras
+        # (tests/test_docs.py knows the flags of every tool the docs may name, Ray's too.)
+        mentions = [rel for rel in project_files(project) if rel != "tests/test_docs.py" and
+                    re.search(r"\bray\b|kuberay", (project / rel).read_text(encoding="utf-8"),
+                              re.I)]
         assert not mentions, mentions
     # requirements.txt (what the Dockerfile installs before the project itself) lists the same.
     requirements = [line.strip() for line in (project / "requirements.txt").read_text().splitlines()

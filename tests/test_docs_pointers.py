@@ -18,6 +18,8 @@ ANSWER_WORDS = {
     ("windows_support", False): ["powershell", "train_windows", ".ps1"],
     ("fault_tolerance", "none"): ["torchft", "lighthouse", "train_ft", "REPLICA_GROUP_ID"],
 }
+for launcher in ("torchrun", "spawn", "launch"):
+    ANSWER_WORDS[("launcher", launcher)] = ["train_ray", "Ray Train", "ray start", "KubeRay"]
 
 
 def test_docs_point_at_what_the_bake_has(baked_once):

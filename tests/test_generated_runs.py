@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, ROOT, answers_id, check_ok, run
+from conftest import PYTHON, ROOT, TORCH, Venv, answers_id, check_ok, run
 from cookiecutter.main import cookiecutter
 from slurm import why_not_two_nodes as why_no_slurm
 
@@ -318,3 +318,16 @@ def test_other_tasks_and_answers_pass_their_tests(tmp_path, answers):
                   "tests/test_train.py", "tests/test_config.py", "tests/test_doc_commands.py",
                   "tests/test_layouts.py", "-k", f"not test_layouts and not resume or {layout}"],
                  project, timeout=900))
+
+
+def test_the_ray_bake_trains_restarts_and_refuses_mistakes_on_a_real_ray_cluster(tmp_path):
+    """launcher=ray in a venv of its own (Ray stays out of the shared one): torch first, then the
+    project with its `ray` extra; its tests/test_ray.py starts a local Ray cluster and runs
+    scripts/train_ray.py on it (a run, a SIGKILLed worker restarted, the one-line mistakes)."""
+    project = bake_to(tmp_path / "bake", launcher="ray")
+    env = Venv(tmp_path / ".venv")
+    env.pip(TORCH, cwd=project)
+    env.pip("-e", ".[ray]", "pytest>=7", cwd=project)
+    result = check_ok(env.run([env.python, "-m", "pytest", "-q", "--full", "-p", "no:cacheprovider",
+                               "tests/test_ray.py"], project, timeout=900))
+    assert re.search(r"\b5 passed", result.stdout) and "skipped" not in result.stdout, result.stdout

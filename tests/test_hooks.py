@@ -22,6 +22,8 @@ BAD = [
     ({"project_name": "It's \"quoted\"", "package_name": "ok_name"}, "project_slug", "lower-case"),
     ({"windows_support": "yes", "backend": "nccl"}, "backend", "Windows"),
     ({"fault_tolerance": "torchft", "model_layout": "fsdp"}, "fault_tolerance", "data_parallel"),
+    ({"launcher": "ray", "fault_tolerance": "torchft"}, "launcher", "torchft"),
+    ({"launcher": "ray", "windows_support": "yes"}, "launcher", "Linux"),
 ]
 
 

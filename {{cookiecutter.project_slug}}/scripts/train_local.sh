@@ -25,7 +25,10 @@ print(preflight(sys.argv[2:], caller=sys.argv[1]))" "$CALLER" "$@")
 eval "set -- $LAUNCH"  # the process count, then the flags with their paths made absolute
 NPROC=${NPROC:-$1}
 shift
-{% if cookiecutter.launcher == "torchrun" -%}
+{% if cookiecutter.launcher in ("torchrun", "ray") -%}
+{%- if cookiecutter.launcher == "ray" %}
+# On a Ray cluster: python scripts/train_ray.py --workers N (docs/launching.md); here, torchrun.
+{%- endif %}
 # torchrun (`python -m torch.distributed.run` is the same program, of this Python).
 # --standalone: a private rendezvous on a free port, so several jobs can share the machine.
 # --max-restarts: if a worker dies, torchrun restarts the group, which resumes from the newest checkpoint.

@@ -37,6 +37,7 @@ EXTERNAL_FLAGS = {
     "tensorboard": {"--logdir"},
     "mlflow": {"--backend-store-uri"},
     "lighthouse": {"--min_replicas"},  # the fault-tolerance lighthouse server
+    "ray": {"--head", "--address", "--num-cpus", "--num-gpus", "--port", "--force"},
 }
 # Commands that take no long flags in the docs, or pass theirs on: named so that a command line
 # starting with them is recognised (a flag after them must then belong to what follows).
@@ -51,6 +52,7 @@ NAMED = {
     "predict.py": r"predict\.py",
     "plot_metrics.py": r"plot_metrics\.py",
     "bench_ft.py": r"bench_ft\.py",
+    "train_ray.py": r"train_ray\.py",
     "pytest": r"\bpytest\b",
     "sbatch": r"\bSLURM\b|\bsbatch\b|#SBATCH",
     "srun": r"\bsrun\b",
@@ -64,7 +66,7 @@ NAMED = {
 }
 # A module's own comments speak of its own command line.
 OWN_COMMAND = {"doctor.py": "doctor", "export.py": "export", "workarounds.py": "torchrun",
-               "write.py": "shards"}
+               "write.py": "shards", "ray_train.py": "train_ray.py"}
 # Files a project holds (what a path must start with, or end with, to count as a pointer).
 TOP_DIRS = {"docs", "scripts", "tests", "k8s", "configs", ".github", PACKAGE.name}
 EXTENSIONS = (".py", ".md", ".sh", ".sbatch", ".ps1", ".yaml", ".yml", ".toml", ".txt")
@@ -205,7 +207,7 @@ def flags(pytestconfig) -> dict[str, Callable[[str], bool]]:
     }
     if (PROJECT_ROOT / "train_ft.py").exists():
         known["train_ft.py"] = train  # the same parser: train_ft.py only trains differently
-    for script in ("predict.py", "plot_metrics.py", "bench_ft.py"):
+    for script in ("predict.py", "plot_metrics.py", "bench_ft.py", "train_ray.py"):
         if (PROJECT_ROOT / "scripts" / script).exists():
             known[script] = help_flags(script_main(script))
 

@@ -27,6 +27,8 @@ from .runtime.trackers import MetricsWriter
 # The fields of a metrics.jsonl line that the run writes itself: no logged value may take one.
 OWN_FIELDS = frozenset({"step", "epoch", "lr", "samples_per_s", "tokens_per_s", "mfu", "time_s",
                         "peak_mem_mb", "peak_reserved_mb"})
+# Called with each metrics line on every rank (the same line): a launcher that collects them.
+EVERY_RANK: list[Callable[[dict[str, Any]], None]] = []
 
 
 def fingerprint(p: torch.Tensor) -> torch.Tensor:
@@ -202,6 +204,8 @@ class Metrics:
         if self.device.type == "cuda":
             record["peak_reserved_mb"] = self.peak_reserved_mb
         self.writer.log(record)
+        for also in EVERY_RANK:
+            also(record)
         shown = " ".join(f"{name} {value:.5f}" for name, value in means.items())
         bar = " ".join(f"{name}={value:.4f}" for name, value in means.items())
         if not self.progress.show(bar) and self.world.is_main:

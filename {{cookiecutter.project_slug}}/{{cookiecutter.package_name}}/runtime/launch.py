@@ -70,7 +70,8 @@ def resolve(cfg: Config, world: World) -> Setup:
     """Backend, devices and rendezvous from the flags, and the variables the process group reads
     when it starts (NCCL's settings, the network interface) set; no process group yet."""
     cuda_count = torch.cuda.device_count()
-    backend = rendezvous.resolve_backend(cfg.backend, cuda_count, dist.is_nccl_available())
+    backend = (dist.get_backend() if dist.is_initialized()  # the launcher made the group
+               else rendezvous.resolve_backend(cfg.backend, cuda_count, dist.is_nccl_available()))
     devices = assign_devices(world.local_rank, world.local_world_size, cuda_count, cfg.model_layout,
                              cfg.stage_devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     rdzv = resolve_rendezvous(cfg.init_method, world, rendezvous_dir(cfg))

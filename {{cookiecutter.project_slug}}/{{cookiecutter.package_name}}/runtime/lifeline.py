@@ -90,6 +90,9 @@ class Lifeline:
         # Signals go to the backstop first (no interpreter lock needed), which passes them back.
         signals = self._backstop.signals if self._backstop else self._writer
         signals.setblocking(False)
+        if threading.current_thread() is not threading.main_thread():
+            self._thread.start()  # a launcher's thread: it owns the process's signals
+            return self
         for signum in STOP_SIGNALS:
             # A Python-level handler must exist for the C-level one to write to the wakeup fd;
             # it does nothing itself (no KeyboardInterrupt traceback on Ctrl-C).
@@ -100,7 +103,8 @@ class Lifeline:
 
     def close(self) -> None:
         """Give the signals back (tests run training in-process) and stop watching."""
-        signal.set_wakeup_fd(self._old_wakeup_fd)
+        if self._handlers:
+            signal.set_wakeup_fd(self._old_wakeup_fd)
         for signum, handler in self._handlers.items():
             signal.signal(signum, handler)
         self._phase = "closed"

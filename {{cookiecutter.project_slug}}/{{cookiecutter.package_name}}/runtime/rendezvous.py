@@ -245,11 +245,14 @@ def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
     what, hint = f"{others} to join at {rdzv}", _hint(rdzv, world)
     with lifeline.waiting(what, hint, timeout_s, phase="rendezvous"):
         try:
-            store = _make_store(rdzv, world, timeout_s)
-            kwargs = {"device_id": devices[0]} if backend == "nccl" else {}
-            dist.init_process_group(backend, store=store, rank=world.rank,
-                                    world_size=world.world_size,
-                                    timeout=timedelta(seconds=timeout_s), **kwargs)
+            if dist.is_initialized():  # the launcher made the group: it is ours
+                store = dist.distributed_c10d._get_default_store()
+            else:
+                store = _make_store(rdzv, world, timeout_s)
+                kwargs = {"device_id": devices[0]} if backend == "nccl" else {}
+                dist.init_process_group(backend, store=store, rank=world.rank,
+                                        world_size=world.world_size,
+                                        timeout=timedelta(seconds=timeout_s), **kwargs)
             dist.barrier()  # the first collective: everyone is here and the backend works
         except ProjectError:
             raise

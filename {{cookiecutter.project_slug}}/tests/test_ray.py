@@ -1,0 +1,184 @@
+"""Ray Train (launcher=ray): scripts/train_ray.py on a real local Ray cluster.
+
+One cluster for the file (`ray start --head`, 2 CPUs, on 127.0.0.1, no dashboard): a 2-worker run
+that trains and reports to Ray, a worker SIGKILLed mid-run that Ray restarts and that ends with the
+uninterrupted run's weights bit for bit, and the mistakes that end with one line: a flag typo, a
+mistake the workers find (no restart), too few CPUs, no cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from conftest import (
+    PROJECT_ROOT,
+    assert_same_model,
+    child_env,
+    final_model,
+    ok,
+    one_error,
+    read_metrics,
+    skip_unless_example_task,
+    summary,
+)
+
+from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta
+from {{ cookiecutter.package_name }}.runtime.environments import find_free_port
+
+pytestmark = [pytest.mark.full,
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                 reason="needs Ray Train: pip install -e \".[ray]\""),
+              pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                 reason="finds Ray's processes through /proc")]
+
+SCRIPT = str(PROJECT_ROOT / "scripts" / "train_ray.py")
+# As test_recovery.py: 16 steps an epoch, 64 in all, a checkpoint every 4 steps.
+FLAGS = ["--no-progress", "--dataset-size", "512", "--batch-size", "16", "--epochs", "4",
+         "--hidden-size", "64", "--save-every-steps", "4", "--keep-last", "0",
+         "--log-every", "1000"]
+LAST_STEP = 64
+# Ray's one-machine mode: every address is 127.0.0.1 (`ray start` would advertise the node's IP).
+LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def cluster_processes(temp: str) -> list[int]:
+    """The processes of the Ray cluster whose files are in `temp`: named on their command line,
+    or open (logs, sockets; Ray's agents rewrite their command line, its workers are groups of
+    their own)."""
+    def ours(pid: str) -> bool:
+        try:
+            if temp.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True
+            return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(temp)
+                       for fd in os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            return False  # gone meanwhile
+
+    return [int(pid) for pid in os.listdir("/proc")
+            if pid.isdigit() and int(pid) != os.getpid() and ours(pid)]
+
+
+def train_workers(temp: str) -> list[int]:
+    """The Ray Train workers of the cluster in `temp` (their output goes to its logs)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if (Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::RayTrainWorker")
+                    and os.readlink(f"/proc/{pid}/fd/1").startswith(temp)):
+                found.append(int(pid))
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster() -> dict[str, str]:
+    """A Ray cluster of 2 CPUs for this file; the variables that reach it, and its folder. Ended
+    by killing its own processes (`ray stop` would stop every cluster on the machine)."""
+    skip_unless_example_task()
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must be short
+    port = find_free_port()
+    try:
+        started = subprocess.run(
+            [str(Path(sys.executable).with_name("ray")), "start", "--head", "--node-ip-address",
+             "127.0.0.1", "--port", str(port), "--num-cpus", "2", "--disable-usage-stats",
+             "--include-dashboard=false", "--temp-dir", temp],
+            env=child_env(**LOOPBACK), capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield {"RAY_ADDRESS": f"127.0.0.1:{port}", "temp": temp}
+    finally:
+        for pid in cluster_processes(temp):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def ray_env(cluster: dict[str, str]) -> dict[str, str]:
+    return child_env(**LOOPBACK, RAY_ADDRESS=cluster["RAY_ADDRESS"])
+
+
+def train_ray(args: list[str], cwd: Path, cluster: dict[str, str],
+              timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, env=ray_env(cluster),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory) -> dict:
+    """A 2-worker run that was never interrupted: it trains, in Ray's process group, and reports
+    to Ray; its final weights."""
+    workdir = tmp_path_factory.mktemp("reference")
+    result = ok(train_ray(["--workers", "2", *FLAGS], workdir, cluster))
+    assert "world: 2 process(es), launcher ray, backend gloo" in result.stdout + result.stderr
+    done = summary(workdir / "runs/latest")
+    assert done["steps"] == LAST_STEP and done["world_size"] == 2
+    assert [r["step"] for r in read_metrics(workdir / "runs/latest")] == [16, 32, 48, 64]
+    # Ray Train logs each report it takes (rank 0's metrics line, sent by every rank).
+    assert "metrics={'step': 64, 'epoch': 3, 'loss'" in result.stderr + result.stdout
+    return final_model(workdir / "checkpoints")
+
+
+def test_trains_in_rays_process_group_and_reports_to_ray(reference):
+    assert reference  # the `reference` fixture's run, checked there
+
+
+def test_a_killed_worker_is_restarted_and_ends_bit_for_bit(cluster, reference, tmp_path):
+    """SIGKILL a worker once step 20 is saved: Ray restarts the group (--max-restarts 1), which
+    resumes from the project's newest checkpoint, as under torchrun."""
+    job = subprocess.Popen([sys.executable, SCRIPT, "--workers", "2", "--max-restarts", "1",
+                            *FLAGS], cwd=tmp_path, env=ray_env(cluster),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not any(read_meta(p)["step"] >= 20 for p in list_checkpoints(tmp_path / "checkpoints")
+                      if p.suffix == ".pt"):
+            assert job.poll() is None, job.communicate()
+            time.sleep(0.01)
+        workers = train_workers(cluster["temp"])
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        out, err = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out + err
+    assert "resumed from" in out + err, out + err
+    assert summary(tmp_path / "runs/latest")["steps"] == LAST_STEP
+    assert_same_model(reference, final_model(tmp_path / "checkpoints"))
+
+
+def test_a_mistake_a_worker_finds_is_one_line_and_no_restart(cluster, tmp_path):
+    # --init-method is checked in the workers (where ranks meet), not by the driver.
+    result = train_ray(["--workers", "2", "--max-restarts", "2", "--epochs", "1",
+                        "--dataset-size", "64", "--init-method", "bogus"], tmp_path, cluster)
+    assert result.returncode == 1
+    assert "--init-method 'bogus' is not one of" in one_error(result)
+    output = result.stdout + result.stderr
+    assert output.count("Started training worker group") == 1, output  # no restart
+
+
+def test_a_flag_typo_is_one_line_before_ray_starts(cluster, tmp_path):
+    result = train_ray(["--workers", "2", "--epoch", "3"], tmp_path, cluster, timeout=60)
+    assert result.returncode == 2
+    assert "unrecognized arguments: --epoch 3" in one_error(result)
+    result = train_ray(["--workers", "2:x"], tmp_path, cluster, timeout=60)
+    assert result.returncode == 2 and "--workers" in one_error(result)
+
+
+def test_too_small_a_cluster_or_none_is_one_line_naming_ray_start(cluster, tmp_path):
+    result = train_ray(["--workers", "3", "--epochs", "1"], tmp_path, cluster, timeout=60)
+    assert result.returncode == 1
+    line = one_error(result)
+    assert "--workers 3 needs 3 CPUs but the Ray cluster has 2" in line and "ray start" in line
+    nowhere = {**cluster, "RAY_ADDRESS": f"127.0.0.1:{find_free_port()}"}
+    result = train_ray(["--workers", "2", "--epochs", "1"], tmp_path, nowhere, timeout=60)
+    assert result.returncode == 1
+    line = one_error(result)
+    assert "no Ray cluster answers at RAY_ADDRESS=127.0.0.1:" in line and "ray start" in line

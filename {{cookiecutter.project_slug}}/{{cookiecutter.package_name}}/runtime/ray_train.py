@@ -1,0 +1,181 @@
+"""Ray Train (launcher=ray): `python scripts/train_ray.py --workers N [--max-restarts R] [flags]`.
+
+The driver checks the flags, the data and the checkpoint first (doctor.preflight, as
+scripts/train_local.sh does), then the Ray cluster, then runs `main` in each worker of Ray Train's
+TorchTrainer. Ray starts the workers, sets torchrun's variables and makes the process group; the
+run takes that group as its own (RayEnvironment; rendezvous.ddp_setup makes no second one).
+Checkpoints stay the project's: a group Ray restarts resumes from `--checkpoint-dir`.
+
+A mistake a worker finds is its `error:` line and exit code 1, returned, not raised: Ray retries
+every raised error and every dead worker, and no restart cures a mistake. A worker that dies
+(SIGKILL, a lost node, a deadline of --timeout-s) is Ray's to restart, up to --max-restarts."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import socket
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from .. import doctor, metrics, task
+from ..config import parse_args
+from ..main import main as train_main
+from . import environments
+from .environments import TorchrunEnvironment, World
+
+START = "start one with `ray start --head` (or set RAY_ADDRESS to a running cluster's address)"
+
+
+class RayEnvironment:
+    """A Ray Train V2 worker: torchrun's variables, and NODE_RANK and ACCELERATE_TORCH_DEVICE,
+    which Ray Train sets too. Its process group exists already (Ray made it)."""
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        return all(name in env for name in ("RANK", "NODE_RANK", "ACCELERATE_TORCH_DEVICE"))
+
+    @staticmethod
+    def world(env: Mapping[str, str], local_rank_flag: int | None, check: bool = True) -> World:
+        world = TorchrunEnvironment.world(env, local_rank_flag, check)
+        # Ray picks a new port for every start of the group: a new run id per restart.
+        return dataclasses.replace(world, launcher="ray", run_id=f"ray-{world.master_addr}-"
+                                   f"{world.master_port}")
+
+
+def worker(config: dict[str, Any]) -> int:
+    """One Ray Train worker: train.py's `main` with the driver's flags, in the driver's folder
+    (where relative paths point). Returns the exit code; rank 0's is the driver's."""
+    import ray.train
+
+    if os.path.isdir(config["cwd"]):
+        os.chdir(config["cwd"])
+    if RayEnvironment not in environments.ENVIRONMENTS:
+        environments.ENVIRONMENTS = (RayEnvironment, *environments.ENVIRONMENTS)
+    # Every rank reports the same metrics line (rank 0's): ray.train.report waits for all.
+    metrics.EVERY_RANK[:] = [lambda record: ray.train.report(record)]
+    return train_main(config["argv"])
+
+
+def workers_flag(text: str) -> int | tuple[int, int]:
+    """--workers N, or MIN:MAX (Ray's elastic worker count)."""
+    low, _, high = text.partition(":")
+    try:
+        counts = (int(low), int(high)) if high else (int(low), int(low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N or MIN:MAX") from None
+    if not 1 <= counts[0] <= counts[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 1 <= MIN <= MAX")
+    return counts if high else counts[0]
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, as train.py's flags
+        print(f"error: {message} (scripts/train_ray.py --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """--workers and --max-restarts, and the rest (train.py's flags)."""
+    parser = Parser(
+        prog="scripts/train_ray.py", add_help=False,
+        epilog="Every other flag is train.py's (python train.py --help).")
+    parser.add_argument("--workers", type=workers_flag, default=2, metavar="N|MIN:MAX",
+                        help="Ray Train workers (processes); MIN:MAX lets Ray choose (elastic)")
+    parser.add_argument("--max-restarts", type=int, default=3, metavar="R",
+                        help="how often Ray restarts the group after a worker died")
+    parser.add_argument("-h", "--help", action="store_true")
+    args, rest = parser.parse_known_args(argv)
+    if args.help:
+        parser.print_help()
+        print()
+        parse_args(["--help"], getattr(task, "Settings", None))  # train.py's flags; exits
+    if args.max_restarts < 0:
+        parser.error("--max-restarts: expected 0 or more")
+    return args, rest
+
+
+def reachable(address: str) -> bool:
+    """Whether a HOST:PORT address answers (ray.init would retry an unreachable one for a
+    minute); other forms (auto, ray://) are left to ray.init."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not port.isdigit():
+        return True
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def connect(workers: int | tuple[int, int]) -> str | None:
+    """Join the Ray cluster; None, or why it cannot run `workers` workers (a GPU each where the
+    cluster has GPUs, else a CPU each)."""
+    import ray
+
+    address = os.environ.get("RAY_ADDRESS", "auto")
+    if not reachable(address):
+        return f"no Ray cluster answers at RAY_ADDRESS={address}; {START}"
+    try:
+        ray.init(address=address, logging_level="WARNING")
+    except (ConnectionError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"no Ray cluster to join at {address} ({first}); {START}"
+    needed = workers if isinstance(workers, int) else workers[0]
+    kind = "GPU" if ray.cluster_resources().get("GPU") else "CPU"
+    slots = int(ray.cluster_resources().get(kind, 0))
+    if slots < needed:
+        return (f"--workers {needed} needs {needed} {kind}s but the Ray cluster has {slots}; add "
+                f"nodes (`ray start --address ...`), `ray start --head --num-{kind.lower()}s "
+                f"{needed}`, or ask for fewer workers")
+    return None
+
+
+def storage_path(output_dir: str) -> str:
+    """Where Ray Train keeps its run's records: <output-dir>/ray, a bucket's too."""
+    if "://" in output_dir:
+        return f"{output_dir.rstrip('/')}/ray"
+    return os.path.abspath(os.path.join(output_dir, "ray"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The driver: check, connect, fit. Returns the exit code."""
+    args, rest = own_flags(sys.argv[1:] if argv is None else argv)
+    # The flags, the data and the checkpoint, once (exit 2 for a flag, 1 for the rest); paths
+    # made absolute from here, and the workers start here too.
+    flags = shlex.split(doctor.preflight(rest, caller=os.getcwd()))[1:]
+    cfg = parse_args(flags, getattr(task, "Settings", None), warn=False)
+    try:
+        import ray
+        from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+        from ray.train.torch import TorchTrainer
+    except ImportError as exc:
+        print(f"error: scripts/train_ray.py needs Ray Train ({exc}); pip install -e \".[ray]\"",
+              file=sys.stderr, flush=True)
+        return 1
+
+    # Ray Train would send every print of the workers through its logger too: each line twice.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    if problem := connect(args.workers):
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        ray.shutdown()
+        return 1
+    trainer = TorchTrainer(
+        worker, train_loop_config={"argv": flags, "cwd": os.getcwd()},
+        scaling_config=ScalingConfig(num_workers=args.workers,
+                                     use_gpu=bool(ray.cluster_resources().get("GPU"))),
+        run_config=RunConfig(storage_path=storage_path(cfg.output_dir),
+                             failure_config=FailureConfig(max_failures=args.max_restarts)))
+    try:
+        result = trainer.fit()
+    except TrainingFailedError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"error: Ray Train stopped after {args.max_restarts} restart(s): {first}; see the "
+              "workers' output above", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        ray.shutdown()
+    return result.return_value if isinstance(result.return_value, int) else 1
