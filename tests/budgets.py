@@ -9,16 +9,16 @@ own suite. Each test counts in the most specific part that names it."""
 from __future__ import annotations
 
 INSTALL_S = 100  # .ci/run's apt and pip installs on a fresh machine
-BUDGET_S = {  # with INSTALL_S: 2,100 s
-    "tests/test_generated_runs.py::test_the_projects_whole_suite_passes_in_the_venv": 900,
+BUDGET_S = {  # with INSTALL_S: 2,110 s
+    "tests/test_generated_runs.py::test_the_projects_whole_suite_passes_in_the_venv": 880,
     "tests/test_generated_runs.py::test_other_tasks_and_answers_pass_their_tests": 190,
-    "tests/test_generated_runs.py::test_the_ray_bake_trains_restarts_and_refuses_mistakes_on_a_real_ray_cluster": 120,
-    "tests/test_generated_runs.py": 175,  # the venv, the README's commands, trackers, a minimal task
+    "tests/test_generated_runs.py::test_the_ray_bake_trains_restarts_and_refuses_mistakes_on_a_real_ray_cluster": 180,
+    "tests/test_generated_runs.py": 160,  # the venv, the README's commands, trackers, a minimal task
     "tests/test_fault_tolerance.py": 240,
     "tests/test_container.py": 110,
-    "tests/test_kubernetes.py": 65,
-    "tests/test_docs_pointers.py": 45,
-    "tests/test_bench.py": 50,
+    "tests/test_kubernetes.py": 60,
+    "tests/test_docs_pointers.py": 40,
+    "tests/test_bench.py": 45,
     "tests/test_slurm_cluster.py": 50,
     "tests/test_bake.py": 30,
     "tests/test_hooks.py": 10,
