@@ -53,10 +53,13 @@ def build_trainer(cfg: Config, world: World, backend: str, devices: list[torch.d
     """Data, model, optimizer and the Trainer around them."""
     prepare(cfg)
     data = build_data(cfg, world, devices[0], collective_device(backend, devices[0]))
-    model, comm_hook = build_parallel_model(cfg, world, devices)
+    model = parallelize(build_model(cfg), cfg, devices, task, world.is_main,
+                        world.local_world_size)  # placed by --model-layout
+    comm_hook = register_comm_hook(model, cfg)  # None without one
     cfg.total_steps = total_steps(cfg, data)  # task.configure_optimizer may read it
+    # fsdp on a GPU casts through its mixed-precision policy instead of autocast.
     optim = Optimization(model, cfg, devices[0], cfg.total_steps,
-                         autocast=uses_autocast(cfg, devices[0]),
+                         autocast=not (cfg.model_layout == "fsdp" and devices[0].type == "cuda"),
                          configure=getattr(task, "configure_optimizer", None))
     trainer = Trainer(cfg, world, task, model, optim, data,
                       Runtime(devices[0], backend, lifeline, STARTED_AT, comm_hook,
@@ -117,23 +120,10 @@ def loaders(cfg: Config, world: World, train_set: Any, val_set: Any, batches: An
     return Data(batches, loader, evaluator, summary)
 
 
-def build_parallel_model(cfg: Config, world: World,
-                         devices: list[torch.device]) -> tuple[torch.nn.Module, Any]:
-    """The task's model placed by --model-layout, and its comm hook (None without one)."""
-    model = parallelize(build_model(cfg), cfg, devices, task, world.is_main,
-                        world.local_world_size)
-    return model, register_comm_hook(model, cfg)
-
-
 def total_steps(cfg: Config, data: Data) -> int:
     """The run's optimizer steps: --max-steps, or --epochs of this rank's batches."""
     steps_per_epoch = math.ceil(data.batches.batches_per_epoch() / cfg.grad_accum)
     return cfg.max_steps or steps_per_epoch * cfg.epochs
-
-
-def uses_autocast(cfg: Config, device: torch.device) -> bool:
-    # fsdp on a GPU casts through its mixed-precision policy instead of autocast.
-    return not (cfg.model_layout == "fsdp" and device.type == "cuda")
 
 
 def build_model(cfg: Config) -> torch.nn.Module:

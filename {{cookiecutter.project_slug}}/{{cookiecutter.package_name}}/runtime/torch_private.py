@@ -38,6 +38,14 @@ def set_group_timeout(timeout_s: float) -> None:
         note("distributed_c10d._set_pg_timeout: the start-up timeout stays")
 
 
+def default_store(launcher: str) -> dist.Store:
+    """The store of the process group `launcher` made (distributed_c10d._get_default_store).
+    Missing: an error line naming that launcher."""
+    if not hasattr(dist.distributed_c10d, "_get_default_store"):
+        raise missing(f"a process group made by {launcher}", "distributed_c10d._get_default_store")
+    return dist.distributed_c10d._get_default_store()
+
+
 def wrap_agent_monitor(wrap: Callable[[Callable, Any, Any], Any]) -> None:
     """torchrun's agent calls `wrap(monitor, agent, group)` for each check of its workers
     (LocalElasticAgent._monitor_workers). Missing: a note; it restarts whatever failed."""
