@@ -38,9 +38,7 @@ def model_blocks(model: nn.Module, task: Any) -> list[nn.Module] | None:
             raise UsageError("task.blocks(model) must return a non-empty list of the model's "
                              "submodules", everywhere=True)
         return found
-    if isinstance(model, nn.Sequential) and len(model) > 1:
-        return list(model)
-    return None
+    return list(model) if isinstance(model, nn.Sequential) and len(model) > 1 else None
 
 
 def usable_blocks(model: nn.Module, task: Any, cfg: Config) -> list[nn.Module]:

@@ -122,9 +122,9 @@ def _keep_gathered_for_graph(group: Any, post_backward: Callable) -> Callable:
 def foreach_decay(averages: list[torch.Tensor], new: list[torch.Tensor], decay: float) -> None:
     """averages = averages * decay + new * (1 - decay), one kernel each (torch._foreach_mul_,
     _foreach_add_). Missing: per tensor, the same operations."""
-    if not (hasattr(torch, "_foreach_mul_") and hasattr(torch, "_foreach_add_")):
+    if hasattr(torch, "_foreach_mul_") and hasattr(torch, "_foreach_add_"):
+        torch._foreach_mul_(averages, decay)
+        torch._foreach_add_(averages, new, alpha=1.0 - decay)
+    else:
         for average, value in zip(averages, new, strict=True):
             average.mul_(decay).add_(value, alpha=1.0 - decay)
-        return
-    torch._foreach_mul_(averages, decay)
-    torch._foreach_add_(averages, new, alpha=1.0 - decay)

@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +85,7 @@ class ShardSet(Dataset):
             n = shard["samples"] if self.images else max(0, (shard["samples"] - 1) // seq_len)
             cut = n - int(n * cfg.val_fraction)
             self.ranges.append((0, cut) if part == "train" else (cut, n))
-        self.starts = [0]
-        for first, end in self.ranges:
-            self.starts.append(self.starts[-1] + end - first)
+        self.starts = [0, *accumulate(end - first for first, end in self.ranges)]
         if index is None:
             check_files(self.root, data, self.index)
         self._files: dict[str, Any] = {}  # open shard files
