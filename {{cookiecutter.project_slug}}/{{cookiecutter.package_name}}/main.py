@@ -52,7 +52,11 @@ def build_trainer(cfg: Config, world: World, backend: str, devices: list[torch.d
                   lifeline: Lifeline) -> Trainer:
     """Data, model, optimizer and the Trainer around them."""
     prepare(cfg)
-    data = build_data(cfg, world, devices[0], collective_device(backend, devices[0]))
+    train_set, val_set = load_datasets(cfg)
+    batches = ShardedBatchSampler(len(train_set), world.rank, world.world_size, cfg.batch_size,
+                                  cfg.seed, order=getattr(train_set, "epoch_order", None))
+    data = loaders(cfg, world, train_set, val_set, batches, devices[0],
+                   collective_device(backend, devices[0]))
     model = parallelize(build_model(cfg), cfg, devices, task, world.is_main,
                         world.local_world_size)  # placed by --model-layout
     comm_hook = register_comm_hook(model, cfg)  # None without one
@@ -80,16 +84,6 @@ def prepare(cfg: Config) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     seed_everything(cfg.seed)
-
-
-def build_data(cfg: Config, world: World, device: torch.device,
-               comm_device: torch.device) -> Data:
-    """task.build_datasets, sharded: this rank's batches (its share of rank of world size), their
-    loader, and the evaluator of the validation set (None without one)."""
-    train_set, val_set = load_datasets(cfg)
-    batches = ShardedBatchSampler(len(train_set), world.rank, world.world_size, cfg.batch_size,
-                                  cfg.seed, order=getattr(train_set, "epoch_order", None))
-    return loaders(cfg, world, train_set, val_set, batches, device, comm_device)
 
 
 def load_datasets(cfg: Config) -> tuple[Any, Any]:
