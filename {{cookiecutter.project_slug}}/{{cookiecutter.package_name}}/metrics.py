@@ -99,9 +99,6 @@ class Metrics:
         self._start = self._last_log_time = time.perf_counter()
         self.profiler.step_done(step)
 
-    def start_epoch(self, epoch: int, total: int, done: int) -> None:
-        self.progress.start(epoch, total, done)
-
     def batch_done(self, values: dict[str, torch.Tensor], samples: int) -> None:
         """A batch's logged values (the loss, its parts): on the device until the log step."""
         for name, value in values.items():

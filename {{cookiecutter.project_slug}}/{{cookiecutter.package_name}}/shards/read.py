@@ -134,12 +134,10 @@ class ShardSet(Dataset):
         """This part's samples in the order of `epoch` (the module's docstring says which)."""
         g = torch.Generator().manual_seed(seed + epoch)
         shards = torch.randperm(len(self.ranges), generator=g).tolist()
-        parts = []
-        for w in range(0, len(shards), self.window):
-            ids = torch.cat([torch.arange(self.starts[s], self.starts[s + 1])
-                             for s in shards[w:w + self.window]])
-            parts.append(ids[torch.randperm(len(ids), generator=g)])
-        return torch.cat(parts)
+        windows = [torch.cat([torch.arange(self.starts[s], self.starts[s + 1])
+                              for s in shards[w:w + self.window]])
+                   for w in range(0, len(shards), self.window)]
+        return torch.cat([ids[torch.randperm(len(ids), generator=g)] for ids in windows])
 
 
 def shard_files(index: dict[str, Any]) -> dict[str, tuple[int, str | None]]:
