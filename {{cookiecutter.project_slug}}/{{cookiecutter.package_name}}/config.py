@@ -210,12 +210,6 @@ class Config:
         task = {k: v for k, v in saved.get("task", {}).items() if k in task_names}
         return Config(**{k: v for k, v in saved.items() if k in names}, task=settings(**task))
 
-    def profile_range(self) -> tuple[int, int] | None:
-        if not self.profile_steps:
-            return None
-        first, last = self.profile_steps.split(":")
-        return int(first), int(last)
-
 
 def parse_args(argv: list[str] | None, settings: type | None, warn: bool = True) -> Config:
     """Flags (and --config) into a Config, with task.py's `Settings` (None: it declares none) in

@@ -48,9 +48,8 @@ SHM_WARN_MB = 1024
 
 
 def versions() -> str:
-    nccl = "none"
-    if torch.cuda.is_available() and dist.is_nccl_available():
-        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    nccl = (".".join(map(str, torch.cuda.nccl.version()))
+            if torch.cuda.is_available() and dist.is_nccl_available() else "none")
     return (f"python {platform.python_version()}, torch {torch.__version__}, cuda "
             f"{torch.version.cuda}, nccl {nccl}, gloo {'yes' if dist.is_gloo_available() else 'no'}"
             f", {platform.system()}")

@@ -136,7 +136,7 @@ class Trainer:
     def _run_epoch(self, epoch: int) -> None:
         total = self._agreed_batch_count()
         self.batches.set_epoch(epoch, self.batch_in_epoch)  # a new shuffle each epoch, every rank
-        self.metrics.start_epoch(epoch, total, self.batch_in_epoch)
+        self.metrics.progress.start(epoch, total, self.batch_in_epoch)
         for i, batch in zip(range(self.batch_in_epoch, total), self.loader, strict=False):
             last_in_group, weight = self._accumulation(i, total)
             values = self._run_batch(move_to(batch, self.device), weight, last=last_in_group)

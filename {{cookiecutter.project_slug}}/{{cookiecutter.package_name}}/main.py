@@ -52,11 +52,18 @@ def build_trainer(cfg: Config, world: World, backend: str, devices: list[torch.d
                   lifeline: Lifeline) -> Trainer:
     """Data, model, optimizer and the Trainer around them."""
     prepare(cfg)
-    data = build_data(cfg, world, devices[0], collective_device(backend, devices[0]))
-    model, comm_hook = build_parallel_model(cfg, world, devices)
+    train_set, val_set = load_datasets(cfg)
+    batches = ShardedBatchSampler(len(train_set), world.rank, world.world_size, cfg.batch_size,
+                                  cfg.seed, order=getattr(train_set, "epoch_order", None))
+    data = loaders(cfg, world, train_set, val_set, batches, devices[0],
+                   collective_device(backend, devices[0]))
+    model = parallelize(build_model(cfg), cfg, devices, task, world.is_main,
+                        world.local_world_size)  # placed by --model-layout
+    comm_hook = register_comm_hook(model, cfg)  # None without one
     cfg.total_steps = total_steps(cfg, data)  # task.configure_optimizer may read it
+    # fsdp on a GPU casts through its mixed-precision policy instead of autocast.
     optim = Optimization(model, cfg, devices[0], cfg.total_steps,
-                         autocast=uses_autocast(cfg, devices[0]),
+                         autocast=not (cfg.model_layout == "fsdp" and devices[0].type == "cuda"),
                          configure=getattr(task, "configure_optimizer", None))
     trainer = Trainer(cfg, world, task, model, optim, data,
                       Runtime(devices[0], backend, lifeline, STARTED_AT, comm_hook,
@@ -77,16 +84,6 @@ def prepare(cfg: Config) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     seed_everything(cfg.seed)
-
-
-def build_data(cfg: Config, world: World, device: torch.device,
-               comm_device: torch.device) -> Data:
-    """task.build_datasets, sharded: this rank's batches (its share of rank of world size), their
-    loader, and the evaluator of the validation set (None without one)."""
-    train_set, val_set = load_datasets(cfg)
-    batches = ShardedBatchSampler(len(train_set), world.rank, world.world_size, cfg.batch_size,
-                                  cfg.seed, order=getattr(train_set, "epoch_order", None))
-    return loaders(cfg, world, train_set, val_set, batches, device, comm_device)
 
 
 def load_datasets(cfg: Config) -> tuple[Any, Any]:
@@ -117,23 +114,10 @@ def loaders(cfg: Config, world: World, train_set: Any, val_set: Any, batches: An
     return Data(batches, loader, evaluator, summary)
 
 
-def build_parallel_model(cfg: Config, world: World,
-                         devices: list[torch.device]) -> tuple[torch.nn.Module, Any]:
-    """The task's model placed by --model-layout, and its comm hook (None without one)."""
-    model = parallelize(build_model(cfg), cfg, devices, task, world.is_main,
-                        world.local_world_size)
-    return model, register_comm_hook(model, cfg)
-
-
 def total_steps(cfg: Config, data: Data) -> int:
     """The run's optimizer steps: --max-steps, or --epochs of this rank's batches."""
     steps_per_epoch = math.ceil(data.batches.batches_per_epoch() / cfg.grad_accum)
     return cfg.max_steps or steps_per_epoch * cfg.epochs
-
-
-def uses_autocast(cfg: Config, device: torch.device) -> bool:
-    # fsdp on a GPU casts through its mixed-precision policy instead of autocast.
-    return not (cfg.model_layout == "fsdp" and device.type == "cuda")
 
 
 def build_model(cfg: Config) -> torch.nn.Module:

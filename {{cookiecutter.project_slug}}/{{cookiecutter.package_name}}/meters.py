@@ -96,9 +96,10 @@ class StepProfiler:
     """A torch.profiler trace of optimizer steps FIRST..LAST (--profile-steps) on rank 0, written
     to <output-dir>/profile/ for TensorBoard or Perfetto. Every other step costs one comparison."""
 
-    def __init__(self, steps: tuple[int, int] | None, output_dir: str | Path, enabled: bool,
+    def __init__(self, steps: str | None, output_dir: str | Path, enabled: bool,
                  device: torch.device) -> None:
-        self.steps, self.folder = steps if enabled else None, Path(output_dir) / "profile"
+        self.steps = tuple(map(int, steps.split(":"))) if steps and enabled else None
+        self.folder = Path(output_dir) / "profile"
         self.device, self.profile = device, None
 
     def step_done(self, step: int) -> None:

@@ -55,7 +55,7 @@ class Metrics:
         self.writer = MetricsWriter(cfg.output_dir, False)  # rank 0's real one opens in open()
         self.progress = Progress(cfg.progress and world.is_main)
         self.clock = StepClock(runtime.device, cuda_events=bool(cfg.step_times))
-        self.profiler = StepProfiler(cfg.profile_range(), cfg.output_dir, world.is_main,
+        self.profiler = StepProfiler(cfg.profile_steps, cfg.output_dir, world.is_main,
                                      runtime.device)
         self.last_loss: float | None = None
         self.tracker_run_id: str | None = None
@@ -98,9 +98,6 @@ class Metrics:
     def start(self, step: int) -> None:
         self._start = self._last_log_time = time.perf_counter()
         self.profiler.step_done(step)
-
-    def start_epoch(self, epoch: int, total: int, done: int) -> None:
-        self.progress.start(epoch, total, done)
 
     def batch_done(self, values: dict[str, torch.Tensor], samples: int) -> None:
         """A batch's logged values (the loss, its parts): on the device until the log step."""

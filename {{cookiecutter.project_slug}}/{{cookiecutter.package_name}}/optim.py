@@ -37,8 +37,8 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
 
 
 class Optimizers(dict):
-    """The run's optimizers by name (one, named "default", unless task.configure_optimizer names
-    several). Their state in a file checkpoint: the one optimizer's state_dict, or one per name."""
+    """The run's optimizers (or their schedulers) by name: one, named "default", unless
+    task.configure_optimizer names several. Their state: the one's state_dict, or one per name."""
 
     def state_dict(self) -> dict[str, Any]:
         states = {name: optimizer.state_dict() for name, optimizer in self.items()}
@@ -67,7 +67,7 @@ class Optimization:
         made = configure(unwrap(model), cfg) if configure else torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
             weight_decay=cfg.weight_decay, fused=True if device.type == "cuda" else None)
-        self.optimizers, self.schedulers, self.kinds = Optimizers(), {}, {}  # kinds: resume checks
+        self.optimizers, self.schedulers, self.kinds = Optimizers(), Optimizers(), {}
         for name, value in (made if isinstance(made, dict) and made else {"default": made}).items():
             optimizer, scheduler = checked(value)
             self.optimizers[name] = optimizer
@@ -143,9 +143,7 @@ class Optimization:
 
     def state_dict(self) -> dict[str, Any]:
         """Schedulers and scaler (the optimizers' own state is saved with the model)."""
-        schedulers = {name: s.state_dict() for name, s in self.schedulers.items()}
-        one = list(schedulers) == ["default"]
-        return {"scheduler": schedulers["default"] if one else schedulers, "kinds": self.kinds,
+        return {"scheduler": self.schedulers.state_dict(), "kinds": self.kinds,
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
 
     def check_saved(self, meta: dict[str, Any], path: Any) -> None:
@@ -162,9 +160,7 @@ class Optimization:
                              "or another --checkpoint-dir", everywhere=True)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        one = list(self.schedulers) == ["default"]
-        for name, scheduler in self.schedulers.items():
-            scheduler.load_state_dict(state["scheduler"] if one else state["scheduler"][name])
+        self.schedulers.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 

@@ -38,9 +38,7 @@ def model_blocks(model: nn.Module, task: Any) -> list[nn.Module] | None:
             raise UsageError("task.blocks(model) must return a non-empty list of the model's "
                              "submodules", everywhere=True)
         return found
-    if isinstance(model, nn.Sequential) and len(model) > 1:
-        return list(model)
-    return None
+    return list(model) if isinstance(model, nn.Sequential) and len(model) > 1 else None
 
 
 def usable_blocks(model: nn.Module, task: Any, cfg: Config) -> list[nn.Module]:
@@ -56,14 +54,6 @@ def usable_blocks(model: nn.Module, task: Any, cfg: Config) -> list[nn.Module]:
             "task.py returning its repeated blocks in forward order (at least two), or use "
             "--model-layout data_parallel", everywhere=True)
     return blocks
-
-
-def _to_device(device: torch.device) -> Callable:
-    """A forward pre-hook moving a module's tensor inputs to `device`."""
-    def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return move_to(args, device), move_to(kwargs, device)
-
-    return hook
 
 
 def second_stage(model: nn.Module, blocks: list[nn.Module]) -> set[nn.Module]:
@@ -82,9 +72,10 @@ def split_over_two(model: nn.Module, blocks: list[nn.Module], devices: list[torc
     for module in second_stage(model, blocks):
         module.to(devices[1])
     for module in model.modules():
-        weights = [*module.parameters(recurse=module in blocks), *module.buffers(recurse=False)]
-        if weights:
-            module.register_forward_pre_hook(_to_device(weights[0].device), with_kwargs=True)
+        if weights := [*module.parameters(recurse=module in blocks),
+                       *module.buffers(recurse=False)]:
+            module.register_forward_pre_hook(lambda mod, args, kwargs, to=weights[0].device: (
+                move_to(args, to), move_to(kwargs, to)), with_kwargs=True)
     model.register_forward_hook(lambda mod, args, out: move_to(out, devices[0]))
 
 

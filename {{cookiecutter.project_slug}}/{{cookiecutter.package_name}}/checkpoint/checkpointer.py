@@ -175,13 +175,12 @@ class Checkpointer:
         for saver in (self.ckpt_dir, self.dcp):  # what an error names as the newest checkpoint
             if saver is not None:
                 saver.saved = path
-        if self.world.is_main:
-            print(f"resumed from {path} (epoch {epoch}, batch {batch}, step {step})", flush=True)
         retention = keep_retention(self.cfg, meta.get("config", {}))  # every rank: same cfg
         if self.ckpt_dir is not None:
             self.ckpt_dir.keep_last = self.cfg.keep_last
             self.ckpt_dir.keep_step = (meta.get("selection") or {}).get("best", {}).get("step")
         if self.world.is_main:
+            print(f"resumed from {path} (epoch {epoch}, batch {batch}, step {step})", flush=True)
             if changed := config_differences(meta.get("config", {}), self.cfg.to_dict()):
                 print(f"note: settings that differ from the checkpoint's run: {'; '.join(changed)}",
                       flush=True)

@@ -175,15 +175,12 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             if key in saved and key not in launch_only and saved[key] != now[key]]
 
 
-# A resumed run never deletes what the earlier run kept because a flag was left at its default.
-RETENTION = ("keep_last", "keep_best")
-
-
 def keep_retention(cfg: Config, saved: dict[str, Any]) -> list[str]:
     """Take the retention settings the command line leaves at their default from the checkpoint's
-    run (changing `cfg`); returns notes on those given that differ from it."""
+    run (changing `cfg`); returns notes on those given that differ from it. A resumed run never
+    deletes what the earlier run kept because a flag was left at its default."""
     notes = []
-    for key in RETENTION:
+    for key in ("keep_last", "keep_best"):
         if key not in saved or saved[key] == getattr(cfg, key):
             continue
         flag = f"--{key.replace('_', '-')}"

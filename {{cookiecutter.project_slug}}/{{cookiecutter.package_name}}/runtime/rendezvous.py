@@ -21,6 +21,7 @@ from ..failures import ProjectError, RunFailure, UsageError
 from .environments import World
 from .lifeline import Lifeline
 from .network import VARIABLES, advertised_address, route_to
+from .torch_private import default_store
 from .workarounds import agent_store, remove_file_store, use_libuv, windows_env
 
 INIT_METHODS = "env, tcp, file, tcp://HOST:PORT, file:///abs/path or a path like ./rdzv/store"
@@ -246,7 +247,7 @@ def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
     with lifeline.waiting(what, hint, timeout_s, phase="rendezvous"):
         try:
             if dist.is_initialized():  # the launcher made the group: it is ours
-                store = dist.distributed_c10d._get_default_store()
+                store = default_store(world.launcher)
             else:
                 store = _make_store(rdzv, world, timeout_s)
                 kwargs = {"device_id": devices[0]} if backend == "nccl" else {}

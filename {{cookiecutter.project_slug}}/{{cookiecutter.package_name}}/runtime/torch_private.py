@@ -38,6 +38,14 @@ def set_group_timeout(timeout_s: float) -> None:
         note("distributed_c10d._set_pg_timeout: the start-up timeout stays")
 
 
+def default_store(launcher: str) -> dist.Store:
+    """The store of the process group `launcher` made (distributed_c10d._get_default_store).
+    Missing: an error line naming that launcher."""
+    if not hasattr(dist.distributed_c10d, "_get_default_store"):
+        raise missing(f"a process group made by {launcher}", "distributed_c10d._get_default_store")
+    return dist.distributed_c10d._get_default_store()
+
+
 def wrap_agent_monitor(wrap: Callable[[Callable, Any, Any], Any]) -> None:
     """torchrun's agent calls `wrap(monitor, agent, group)` for each check of its workers
     (LocalElasticAgent._monitor_workers). Missing: a note; it restarts whatever failed."""
@@ -114,9 +122,9 @@ def _keep_gathered_for_graph(group: Any, post_backward: Callable) -> Callable:
 def foreach_decay(averages: list[torch.Tensor], new: list[torch.Tensor], decay: float) -> None:
     """averages = averages * decay + new * (1 - decay), one kernel each (torch._foreach_mul_,
     _foreach_add_). Missing: per tensor, the same operations."""
-    if not (hasattr(torch, "_foreach_mul_") and hasattr(torch, "_foreach_add_")):
+    if hasattr(torch, "_foreach_mul_") and hasattr(torch, "_foreach_add_"):
+        torch._foreach_mul_(averages, decay)
+        torch._foreach_add_(averages, new, alpha=1.0 - decay)
+    else:
         for average, value in zip(averages, new, strict=True):
             average.mul_(decay).add_(value, alpha=1.0 - decay)
-        return
-    torch._foreach_mul_(averages, decay)
-    torch._foreach_add_(averages, new, alpha=1.0 - decay)

@@ -86,7 +86,7 @@ def _import(module: str, package: str, tracker: str) -> Any:
 class TensorBoardTracker:
     run_id = None  # TensorBoard appends to the same folder; there is no run to continue
 
-    def __init__(self, output_dir: Path, config: dict[str, Any]) -> None:
+    def __init__(self, output_dir: Path, config: dict[str, Any], run_id: None = None) -> None:
         module = _import("torch.utils.tensorboard", "tensorboard", "tensorboard")
         self.writer = module.SummaryWriter(log_dir=str(output_dir / "tensorboard"))
         # The TEXT tab shows it; a resumed run adds the configuration it was started with.
@@ -161,10 +161,8 @@ def open_tracker(name: str, output_dir: Path, config: dict[str, Any],
     """The tracker `name` ("none" gives None), continuing `run_id` when there is one."""
     if name == "none":
         return None
-    if name == "tensorboard":
-        return SafeTracker(TensorBoardTracker(output_dir, config))
-    tracker = WandbTracker if name == "wandb" else MlflowTracker
-    return SafeTracker(tracker(output_dir, config, run_id))
+    kind = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}[name]
+    return SafeTracker(kind(output_dir, config, run_id))
 
 
 class SafeTracker:

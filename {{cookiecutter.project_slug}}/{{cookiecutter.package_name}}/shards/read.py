@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +85,7 @@ class ShardSet(Dataset):
             n = shard["samples"] if self.images else max(0, (shard["samples"] - 1) // seq_len)
             cut = n - int(n * cfg.val_fraction)
             self.ranges.append((0, cut) if part == "train" else (cut, n))
-        self.starts = [0]
-        for first, end in self.ranges:
-            self.starts.append(self.starts[-1] + end - first)
+        self.starts = [0, *accumulate(end - first for first, end in self.ranges)]
         if index is None:
             check_files(self.root, data, self.index)
         self._files: dict[str, Any] = {}  # open shard files
@@ -135,12 +134,10 @@ class ShardSet(Dataset):
         """This part's samples in the order of `epoch` (the module's docstring says which)."""
         g = torch.Generator().manual_seed(seed + epoch)
         shards = torch.randperm(len(self.ranges), generator=g).tolist()
-        parts = []
-        for w in range(0, len(shards), self.window):
-            ids = torch.cat([torch.arange(self.starts[s], self.starts[s + 1])
-                             for s in shards[w:w + self.window]])
-            parts.append(ids[torch.randperm(len(ids), generator=g)])
-        return torch.cat(parts)
+        windows = [torch.cat([torch.arange(self.starts[s], self.starts[s + 1])
+                              for s in shards[w:w + self.window]])
+                   for w in range(0, len(shards), self.window)]
+        return torch.cat([ids[torch.randperm(len(ids), generator=g)] for ids in windows])
 
 
 def shard_files(index: dict[str, Any]) -> dict[str, tuple[int, str | None]]:
