@@ -42,6 +42,8 @@ from .data import ShardedBatchSampler
 from .failures import ProjectError, RunFailure, UsageError, report_error
 from .loop import Runtime, Trainer
 from .optim import Optimization
+from .parallel import parallelize
+from .runtime.comm_hooks import register_comm_hook
 from .runtime.environments import World
 from .runtime.launch import start
 from .runtime.lifeline import Lifeline
@@ -373,11 +375,12 @@ def build_replica_trainer(cfg: Config, world: World, backend: str, devices: list
                                   cfg.seed)
     data = entry.loaders(cfg, world, train_set, val_set, batches, devices[0],
                          collective_device(backend, devices[0]))
-    model, comm_hook = entry.build_parallel_model(cfg, world, devices)
+    model = parallelize(entry.build_model(cfg), cfg, devices, task, world.is_main,
+                        world.local_world_size)  # data_parallel: DDP
+    comm_hook = register_comm_hook(model, cfg)  # None without one
     cfg.total_steps = entry.total_steps(cfg, data)  # task.configure_optimizer may read it
     optim = FaultTolerantOptimization(manager, replicas.lighthouse, world.is_main, model, cfg,
                                       devices[0], cfg.total_steps,
-                                      autocast=entry.uses_autocast(cfg, devices[0]),
                                       configure=getattr(task, "configure_optimizer", None))
     trainer = Trainer(cfg, world, task, model, optim, data,
                       Runtime(devices[0], backend, lifeline, entry.STARTED_AT, comm_hook,
