@@ -36,10 +36,10 @@ def test_the_group_timeout_changes_or_a_note_says_it_stays(group, monkeypatch, c
 
 
 def test_the_store_of_a_launchers_group_or_one_error_line_naming_the_launcher(group, monkeypatch):
-    assert tp.default_store("ray") is dist.distributed_c10d._get_default_store()
+    assert tp.default_store("a-launcher") is dist.distributed_c10d._get_default_store()
     monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
-    with pytest.raises(UsageError, match=f"a process group made by ray needs .*{MISSING}"):
-        tp.default_store("ray")
+    with pytest.raises(UsageError, match=f"a process group made by a-launcher needs .*{MISSING}"):
+        tp.default_store("a-launcher")
 
 
 def test_torchruns_agent_is_wrapped_and_stops_restarting_or_a_note_says_it_restarts(
