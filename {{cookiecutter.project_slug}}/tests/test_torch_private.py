@@ -92,14 +92,15 @@ def test_ddps_reducer_exchanges_gradients_of_a_forward_around_it_or_one_error_li
 
     ddp, exchanged = DDP(nn.Linear(3, 1)), []
     ddp.register_comm_hook(None, exchange)
+    ready = tp.ddp_backward(ddp)
     for _ in range(2):  # the second rebuilds the buckets
         loss = ddp.module(torch.ones(2, 3)).sum()  # not through DDP's forward
-        tp.ready_ddp_backward(ddp, loss)
+        ready(loss)
         loss.backward()  # without the reducer readied, no exchange
     assert [b.tolist() for b in exchanged] == [[2.0] * 3 + [2.0], [4.0] * 3 + [4.0]]
     monkeypatch.setattr(ddp, "reducer", SimpleNamespace())
     with pytest.raises(UsageError, match=f"a step under DDP needs .*{MISSING}"):
-        tp.ready_ddp_backward(ddp, loss)
+        tp.ddp_backward(ddp)
 
 
 def test_fsdp_units_keep_weights_for_a_graphs_backward_or_one_error_line(group, monkeypatch):

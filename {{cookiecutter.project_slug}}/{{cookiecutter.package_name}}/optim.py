@@ -149,9 +149,9 @@ class Optimization:
     def check_saved(self, meta: dict[str, Any], path: Any) -> None:
         """A checkpoint of other optimizers or schedules is one line, before anything loads."""
         saved = meta["optim"].get("kinds", self.kinds)
-        here = self.kinds if any(", " in k for k in saved.values()) else {  # older: schedules
+        expected = self.kinds if any(", " in k for k in saved.values()) else {  # older: schedules
             n: k.split(", ")[1] for n, k in self.kinds.items()}
-        if saved != here:
+        if saved != expected:
             there, here = (", ".join(f"'{n}' ({k})" for n, k in kinds.items())
                            for kinds in (saved, self.kinds))
             raise UsageError(f"checkpoint {path} holds the optimizers (type, schedule) {there}; "

@@ -20,7 +20,7 @@ from .config import Config
 from .failures import UsageError
 from .metrics import OWN_FIELDS
 from .optim import Optimization
-from .runtime.torch_private import ready_ddp_backward, uncompiled
+from .runtime.torch_private import ddp_backward, uncompiled
 
 
 class Step:
@@ -39,6 +39,7 @@ class Step:
                  cfg: Config) -> None:
         self.model, self.module, self.cfg, self.optim = model, module, cfg, optim
         self.ddp = ddp if isinstance(ddp := uncompiled(model), DDP) else None
+        self.ready_ddp = ddp_backward(self.ddp) if self.ddp is not None else None
         self.optimizers, self.autocast = optim.optimizers, optim.autocast
         self.number, self.weight, self.last = 0, 1.0, True
 
@@ -51,7 +52,7 @@ class Step:
         reducer is readied from the loss, as Lightning does: gradients are exchanged whatever
         path the forward took (step.model, or submodules of step.module called directly)."""
         if (ddp := self.ddp) is not None and ddp.require_backward_grad_sync:  # not in no_sync
-            ready_ddp_backward(ddp, loss)
+            self.ready_ddp(loss)
         self.optim.backward(loss if self.weight == 1.0 else loss * self.weight)
 
     def update(self, name: str | None = None) -> None:

@@ -82,16 +82,19 @@ def compile_supported() -> bool:
     return getattr(torch._dynamo, "is_dynamo_supported", lambda: True)()
 
 
-def ready_ddp_backward(ddp: nn.Module, loss: torch.Tensor) -> None:
-    """DDP's reducer readied from the loss as its forward does (Reducer._rebuild_buckets, then
+def ddp_backward(ddp: nn.Module) -> Callable[[torch.Tensor], None]:
+    """What readies DDP's reducer from a loss as its forward does (Reducer._rebuild_buckets, then
     prepare_for_backward; as Lightning): gradients are exchanged whatever path a step's forward
-    took. Missing: an error line (every step under DDP uses it)."""
-    reducer = getattr(ddp, "reducer", None)
-    if not all(hasattr(reducer, f) for f in ("_rebuild_buckets", "prepare_for_backward")):
+    took. Checked once, here, not at every step. Missing: an error line (every DDP step uses it)."""
+    if not all(hasattr(getattr(ddp, "reducer", None), f)
+               for f in ("_rebuild_buckets", "prepare_for_backward")):
         raise missing("a step under DDP", "DistributedDataParallel's reducer.prepare_for_backward")
-    reducer._rebuild_buckets()  # (once, at the second step) as DDP's forward does
-    reducer.prepare_for_backward([loss] if ddp.find_unused_parameters and not ddp.static_graph
-                                 else [])
+
+    def ready(loss: torch.Tensor) -> None:
+        ddp.reducer._rebuild_buckets()  # (once, at the second step) as DDP's forward does
+        ddp.reducer.prepare_for_backward(
+            [loss] if ddp.find_unused_parameters and not ddp.static_graph else [])
+    return ready
 
 
 def fsdp_for_own_step(model: nn.Module, units: list[nn.Module]) -> None:
