@@ -31,7 +31,9 @@ QUIET_EXIT_DELAY_S = 1.0
 PRINTER_WAIT_S = 10.0  # under torchrun: how long a silent rank waits for local rank 0's line
 # What gloo and NCCL say when a peer died, stalled past --timeout-s, or dropped its connection.
 _CLOSED = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused")
-_COMMUNICATION_FAILURES = (*_CLOSED, "Timed out", "timed out", "NCCL error", "Socket Timeout")
+# "pair closure": gloo's own timeout, which can fire in a backward before our deadline does.
+_COMMUNICATION_FAILURES = (*_CLOSED, "Timed out", "timed out", "NCCL error", "Socket Timeout",
+                           "pair closure")
 # How long the error path may talk to the store. A store whose host vanished answers nothing: a call
 # would block for the store timeout (--timeout-s) or TCP's retransmission timeout (minutes).
 RECORD_S = 2.0
