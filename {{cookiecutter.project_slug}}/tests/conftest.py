@@ -185,6 +185,19 @@ def kill_a_worker_once_saved(cmd: list[str], cwd: Path, checkpoint_dir: Path, st
     job.communicate(timeout=120)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...): torchrun's workers live in
+    sessions of their own, out of reach of a signal to its process group."""
+    found = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                found += [int(child), *descendants(int(child))]
+    except OSError:  # gone meanwhile
+        pass
+    return found
+
+
 def project_copy(folder: Path, task: str | None = None) -> Path:
     """A copy of the project (train.py, the package, scripts/ and configs/) in `folder`/project,
     whose task.py is `task` if given (run it with PYTHONPATH set to the copy)."""

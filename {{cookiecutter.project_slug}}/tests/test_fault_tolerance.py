@@ -20,6 +20,7 @@ import torch
 from conftest import (
     PROJECT_ROOT,
     child_env,
+    descendants,
     load_state,
     one_error,
     read_metrics,
@@ -196,18 +197,6 @@ class Group:
     def step_gaps(self) -> list[float]:
         ends = json.loads((self.workdir / "steps.json").read_text())["step_ends"]
         return [b - a for a, b in zip(ends, ends[1:], strict=False)]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children, their children, ...)."""
-    found = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                found += [int(child), *descendants(int(child))]
-    except OSError:  # gone meanwhile
-        pass
-    return found
 
 
 @pytest.fixture
