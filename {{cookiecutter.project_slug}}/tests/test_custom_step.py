@@ -1,7 +1,7 @@
 """A training step of your own (docs/custom-step.md): each worked example, as the doc writes it,
-is the task.py of a copy of the project; it trains under torchrun with 2 processes, logs its
-parts, and a run killed with SIGKILL resumes to an uninterrupted run's state bit for bit, with
---grad-accum 2 and --ema-decay, under data_parallel and fsdp. Each mistake is one error line: the
+is the task.py of a copy of the project and trains under torchrun with 2 processes; the GAN logs
+its parts, and a run of it killed with SIGKILL resumes to an uninterrupted run's state bit for
+bit, with --grad-accum 2 and --ema-decay, under data_parallel and fsdp. Each mistake is one error line: the
 checks themselves are tested here in this process (the default tier), a few as real runs."""
 
 from __future__ import annotations
@@ -75,8 +75,10 @@ def flatten(tree, prefix: str = "") -> dict:
     return {prefix: tree}
 
 
+# The GAN: two optimizers, two backward passes a step. (The teacher trains for real under both
+# layouts in the tests below; its kill and resume is the same machinery, run here for the GAN.)
 @pytest.mark.parametrize("layout", ["data_parallel", pytest.param("fsdp", marks=needs_numpy)])
-@pytest.mark.parametrize("name", list(EXAMPLES))
+@pytest.mark.parametrize("name", ["gan"])
 def test_an_example_step_logs_its_parts_and_resumes_bit_for_bit(tmp_path, name, layout):
     project = project_copy(tmp_path, example(name))
     _, parts, flags = EXAMPLES[name]
