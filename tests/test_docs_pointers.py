@@ -27,8 +27,9 @@ def test_docs_point_at_what_the_bake_has(baked_once):
     projects = {answers_id(answers): baked_once(**answers) for answers in pairwise_combinations()}
 
     def docs_test(project):
+        # No plugins of the template's Python (hypothesis, benchmark...): a third of each start.
         return run([PYTHON, "-m", "pytest", "-q", "tests/test_docs.py", "-p", "no:cacheprovider"],
-                   project, timeout=300)
+                   project, timeout=300, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
 
     with ThreadPoolExecutor(2) as pool:
         results = dict(zip(projects, pool.map(docs_test, projects.values()), strict=True))

@@ -198,20 +198,6 @@ def test_readme_worked_example_as_written(tmp_path, torch_venv, quickstart_done)
     assert '"epochs_completed": 10' in summary and '"val_accuracy"' in summary
 
 
-def test_readme_image_folder_of_jpeg_and_png_trains_with_no_extra_step(default_project, torch_venv,
-                                                                        quickstart_done):
-    readme = (default_project / "README.md").read_text()
-    block = readme.split("Your own images train", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    [command] = [line for line in block.splitlines() if line.startswith("scripts/train_local.sh")]
-    images = WORKED_EXAMPLE_IMAGES.replace("class{label}", "{['cat', 'dog', 'owl'][label]}")
-    check_ok(torch_venv.run([torch_venv.python, "-c", images, "data/train"], default_project))
-    assert {p.suffix for p in (default_project / "data/train/cat").iterdir()} == {".jpg", ".png"}
-    check_ok(torch_venv.run(command + " --output-dir images/runs --checkpoint-dir images/ck",
-                            default_project))
-    summary = (default_project / "images/runs/summary.json").read_text()
-    assert '"epochs_completed": 3' in summary and '"val_accuracy"' in summary
-
-
 # The smallest task.py within the contract: no settings, no blocks(), no validation set, and no
 # data without --data. Its own test (what a user writes in tests/test_task.py) trains it.
 MINIMAL_TASK = """
