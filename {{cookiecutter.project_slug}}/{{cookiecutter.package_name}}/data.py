@@ -65,12 +65,11 @@ class ShardedBatchSampler:
     the same global batch (batch size x world size)."""
 
     def __init__(self, size: int, rank: int, world_size: int, batch_size: int, seed: int,
-                 shuffle: bool = True, order: Callable[[int, int], torch.Tensor] | None = None
-                 ) -> None:
+                 order: Callable[[int, int], torch.Tensor] | None = None) -> None:
         if size < 1:
             raise ValueError("the data set is empty")
         self.size, self.rank, self.world_size = size, rank, world_size
-        self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
+        self.batch_size, self.seed = batch_size, seed
         self.order = order  # (seed, epoch) -> the epoch's order, if not a plain shuffle
         self.shard_size = math.ceil(size / world_size)
         self.epoch, self.start_batch = 0, 0
@@ -98,11 +97,9 @@ class ShardedBatchSampler:
     def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
         if self.order is not None:  # a data set's own (a shard set's: shards, then windows)
             order = self.order(self.seed, self.epoch)
-        elif self.shuffle:
+        else:
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(
                 self.seed + self.epoch))
-        else:
-            order = torch.arange(self.size)
         padded = self.shard_size * self.world_size
         if padded > self.size:  # repeat samples from the start, as DistributedSampler does
             order = torch.cat([order, order.repeat(math.ceil(padded / self.size))[
@@ -206,20 +203,13 @@ def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_w
     (runtime/workers.py: data set and `collate` must pickle), prefetched to a GPU unless there."""
     fetcher = BatchFetcher(dataset, collate)
     on_gpu = device.type == "cuda"
-    if num_workers == 0:
-        if lives_on(dataset, device):  # cut on the device: nothing to copy, nothing to prefetch
-            return InProcessLoader(fetcher, batches.to(device) if hasattr(batches, "to")
-                                   else batches)
-        loader = InProcessLoader(fetcher, batches)
-        return DevicePrefetcher(loader, device, ahead=False) if on_gpu else loader
-    loader = worker_loader(fetcher, batches, num_workers, pin_memory=on_gpu)
-    return DevicePrefetcher(loader, device, ahead=True) if on_gpu else loader
-
-
-def lives_on(dataset: Dataset | None, device: torch.device) -> bool:
-    """Whether `dataset` is in-memory tensors already on `device` (not the CPU)."""
-    return (type(dataset) is InMemoryDataset and device.type != "cpu"
-            and all(t.device == device for t in dataset.tensors))
+    # In-memory tensors already on the device are cut there: nothing to copy, nothing to prefetch.
+    if num_workers == 0 and type(dataset) is InMemoryDataset and device.type != "cpu" and all(
+            t.device == device for t in dataset.tensors):
+        return InProcessLoader(fetcher, batches.to(device) if hasattr(batches, "to") else batches)
+    loader = (worker_loader(fetcher, batches, num_workers, pin_memory=on_gpu) if num_workers
+              else InProcessLoader(fetcher, batches))
+    return DevicePrefetcher(loader, device, ahead=num_workers > 0) if on_gpu else loader
 
 
 def place_on_device(datasets: list[Dataset | None], device: torch.device, num_workers: int,

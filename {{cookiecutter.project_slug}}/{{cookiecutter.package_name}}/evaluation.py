@@ -30,9 +30,9 @@ class Evaluator:
     def run(self, model: nn.Module, autocast: Any, ema: EMA | None = None) -> dict[str, float]:
         """The `val_*` metrics of `model`; with an EMA, of its averaged weights, and the model's
         own as `val_raw_*` (every rank runs this: it ends in a collective)."""
-        if ema is None:
-            return self._run(model, autocast)
         raw = self._run(model, autocast)
+        if ema is None:
+            return raw
         with ema.weights_in():
             averaged = self._run(model, autocast)
         return {**averaged, **{f"val_raw_{k[4:]}": v for k, v in raw.items()}}

@@ -145,7 +145,8 @@ class Trainer:
                 self.step, self.batch_in_epoch = self.step + 1, i + 1
                 if self._after_step(epoch, last_of_epoch=i + 1 == total):
                     break
-        self.metrics.end_epoch()
+        self.metrics.settle()
+        self.metrics.progress.close()
         if self.batch_in_epoch == total:
             self.epoch, self.batch_in_epoch = epoch + 1, 0
             self._evaluate(epoch)
@@ -176,8 +177,12 @@ class Trainer:
 
     def _after_step(self, epoch: int, last_of_epoch: bool) -> bool:
         """Log, evaluate and save where each is due; True when training stops at this step."""
-        if self.metrics.first_step_s is None:
-            self._after_first_step()
+        if self.metrics.first_step_s is None:  # the first step
+            self.metrics.first_step_s = time.time() - self.started_at
+            self.lifeline.tell("hint", "resume continues from the newest checkpoint in "
+                               f"{storage.shown(self.cfg.checkpoint_dir)}")
+            if self.backend == "nccl":  # start-up had longer: training gets --timeout-s
+                set_group_timeout(self.cfg.timeout_s)
         self.metrics.step_done(self.step, epoch, last=last_of_epoch or self._done())
         if self.evaluation.due(self.step, last_of_epoch):  # epochs end with one anyway
             self._evaluate(epoch)
@@ -187,13 +192,6 @@ class Trainer:
             self.metrics.check_weights(self.step, list(self.unwrapped.named_parameters()))
         self.checkpointer.maybe_save(self.step, self.loop_state, last_of_epoch=last_of_epoch)
         return False
-
-    def _after_first_step(self) -> None:
-        self.metrics.first_step_s = time.time() - self.started_at
-        self.lifeline.tell("hint", "resume continues from the newest checkpoint in "
-                           f"{storage.shown(self.cfg.checkpoint_dir)}")
-        if self.backend == "nccl":  # start-up had longer: training gets --timeout-s
-            set_group_timeout(self.cfg.timeout_s)
 
     def _evaluate(self, epoch: int) -> None:
         self.metrics.settle()  # the step's metrics line comes before its evaluation's

@@ -78,7 +78,10 @@ def plain_step(loss_fn: Callable, optimizers: dict) -> Callable[[Step, Any], dic
             loss = loss_fn(step.model, batch)
         loss, parts = loss if type(loss) is tuple else (loss, None)
         if not checked:  # once: the same code gives the same kind of loss every time
-            check_loss(loss)
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise UsageError(f"task.loss_fn must return the batch's mean loss as a scalar "
+                                 f"tensor that requires grad; it returned {shape}", everywhere=True)
             checked.append(True)
         step.backward(loss)
         step.update()
@@ -86,13 +89,6 @@ def plain_step(loss_fn: Callable, optimizers: dict) -> Callable[[Step, Any], dic
                                              OWN_FIELDS | {"loss"})}
 
     return train_step
-
-
-def check_loss(loss: Any) -> None:
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise UsageError(f"task.loss_fn must return the batch's mean loss as a scalar tensor "
-                         f"that requires grad; it returned {shape}", everywhere=True)
 
 
 def check_values(values: Any, where: str, taken: frozenset[str] = OWN_FIELDS) -> dict[str, Any]:
