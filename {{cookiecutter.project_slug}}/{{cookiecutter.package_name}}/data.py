@@ -183,8 +183,7 @@ class WorkerError:
 
 class InProcessLoader:
     """Batches made in the training process: `DataLoader(num_workers=0)` with our sampler, without
-    its per-batch bookkeeping (about 20 us, a few percent of a small model's step). On a GPU,
-    DevicePrefetcher pins them: one more host copy, which lets the copy to the device overlap."""
+    its per-batch bookkeeping (about 20 us, a few percent of a small model's step)."""
 
     def __init__(self, fetcher: BatchFetcher, batches: Any) -> None:
         self.fetcher, self.batches = fetcher, batches

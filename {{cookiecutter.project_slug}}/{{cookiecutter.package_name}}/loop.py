@@ -152,8 +152,8 @@ class Trainer:
             self._evaluate(epoch)
 
     def _run_batch(self, batch: Any, weight: float, last: bool) -> dict[str, torch.Tensor]:
-        """One batch through the step function; returns what it logs. `weight`: the batch's share
-        of its accumulation group's samples; gradients are exchanged at the group's `last` batch."""
+        """One batch through the step function (`weight`, `last`: as Step.begin); returns what it
+        logs."""
         self.step_state.begin(self.step, weight, last)
         with contextlib.nullcontext() if last else no_gradient_sync(self.model):
             values = self.train_step(self.step_state, batch)

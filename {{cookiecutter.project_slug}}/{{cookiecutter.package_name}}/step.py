@@ -1,8 +1,7 @@
 """One training step: `Step`, what a step function is given for one batch, and the default step.
 
 The loop calls `task.train_step(step, batch)` once per batch when task.py defines one, else
-`plain_step(task.loss_fn)` below: the forward, the backward and one optimizer's update
-(docs/custom-step.md). A run's step is one accumulation group (one batch without --grad-accum):
+`plain_step(task.loss_fn)` below (docs/custom-step.md). A run's step is one accumulation group:
 `backward` weights a batch's loss by its share of the group's samples; gradients are exchanged
 and `update` steps at the group's last batch only; then the fp16 scale and the EMA update once.
 """
