@@ -163,9 +163,6 @@ class ModelSelection:
             self.best, self.stop_best = state["best"], state["stop_best"]
             self.since_best = state["since_best"]
 
-    def summary(self) -> dict[str, Any]:
-        return {"best": self.best or None, "early_stopped": self.should_stop}
-
 
 class Evaluation:
     """When to evaluate (each epoch's end, every --eval-every-steps) and what follows: the log,
@@ -232,7 +229,8 @@ class Evaluation:
 
     def summary(self) -> dict[str, Any]:
         """The evaluation's part of summary.json."""
-        return {**self.values, **self.selection.summary()}
+        return {**self.values, "best": self.selection.best or None,
+                "early_stopped": self.selection.should_stop}
 
 
 def _shown(metrics: dict[str, float]) -> str:

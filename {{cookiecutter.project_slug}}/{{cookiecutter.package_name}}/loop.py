@@ -9,7 +9,6 @@ evaluation.py and checkpoint/checkpointer.py. The model, its loss and its metric
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from .checkpoint.checkpointer import Checkpointer
 from .config import Config
 from .data import ShardedBatchSampler, move_to
 from .evaluation import Evaluation, Evaluator
+from .failures import warn
 from .meters import Throughput
 from .metrics import Metrics
 from .optim import Optimization
@@ -224,12 +224,10 @@ class Trainer:
         self.evaluation.check_metric_names()
         self.metrics.open(resumed=resumed_from is not None)
         if self.cfg.warmup_steps > self.optim.total_steps and self.world.is_main:
-            print(f"warning: --warmup-steps {self.cfg.warmup_steps} is longer than the run "
-                  f"({self.optim.total_steps} steps): the learning rate never reaches --lr",
-                  file=sys.stderr, flush=True)
+            warn(f"--warmup-steps {self.cfg.warmup_steps} is longer than the run "
+                 f"({self.optim.total_steps} steps): the learning rate never reaches --lr")
         if (unheld := self.optim.unheld) and self.world.is_main:
-            print(f"warning: no optimizer of task.configure_optimizer holds {len(unheld)} "
-                  f"trainable parameters ({', '.join(unheld[:3])}{', ...' * (len(unheld) > 3)}): "
-                  "they never change; set requires_grad=False on those meant to stay frozen",
-                  file=sys.stderr, flush=True)
+            warn(f"no optimizer of task.configure_optimizer holds {len(unheld)} trainable "
+                 f"parameters ({', '.join(unheld[:3])}{', ...' * (len(unheld) > 3)}): they never "
+                 "change; set requires_grad=False on those meant to stay frozen")
         return None

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..failures import UsageError
+from ..failures import UsageError, warn
 
 NOT_SCALARS = ("step", "epoch")
 PROJECT = "{{ cookiecutter.project_slug }}"  # the W&B project and MLflow experiment by default
@@ -178,11 +177,10 @@ class SafeTracker:
             self.tracker.log(record)
         except Exception as exc:
             self.broken = True
-            print(f"warning: the tracker failed ({exc!r}); metrics.jsonl goes on",
-                  file=sys.stderr, flush=True)
+            warn(f"the tracker failed ({exc!r}); metrics.jsonl goes on")
 
     def close(self) -> None:
         try:
             self.tracker.close()
         except Exception as exc:
-            print(f"warning: closing the tracker failed ({exc!r})", file=sys.stderr, flush=True)
+            warn(f"closing the tracker failed ({exc!r})")
