@@ -144,10 +144,8 @@ class Config:
     resume: str = setting("auto", "auto = newest complete checkpoint in --checkpoint-dir, if "
                           "any; weights-only = its model and EMA, with fresh optimizers and "
                           "position", metavar="{auto,never,weights-only,PATH}")
-    async_save: bool = setting(False, "write checkpoints in the background while training goes "
-                               "on")
-    output_dir: str = setting("runs/latest", "metrics.jsonl, summary.json and config.json go "
-                              "here")
+    async_save: bool = setting(False, "write checkpoints in the background while training goes on")
+    output_dir: str = setting("runs/latest", "metrics.jsonl, summary.json and config.json go here")
     run_name: str | None = setting(None, "outputs in runs/NAME and checkpoints in "
                                    "checkpoints/NAME (unless --output-dir / --checkpoint-dir "
                                    "are given)", type=folder_name)

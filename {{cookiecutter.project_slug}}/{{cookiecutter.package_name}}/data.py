@@ -116,8 +116,8 @@ def batch_seed(seed: int, rank: int, epoch: int, batch: int) -> int:
     return hash((seed, rank, epoch, batch)) % 2**63
 
 
-class FixedBatches:
-    """The same batches every time, as `(seed, indices)` pairs: this rank's share of the
+class FixedBatches(list):
+    """The same batches every time, a list of `(seed, indices)` pairs: this rank's share of the
     validation set. Padded with batches to ignore (after the first `real` ones) up to `count`, so
     every rank runs as many forward passes as the others (fsdp gathers weights in each)."""
 
@@ -126,13 +126,7 @@ class FixedBatches:
         self.real = len(chunks)
         filler = indices[:1] if len(indices) else torch.zeros(1, dtype=torch.long)
         chunks += [filler] * (count - len(chunks))
-        self.batches = [(batch_seed(seed, -1, 0, i), chunk) for i, chunk in enumerate(chunks)]
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
-        return iter(self.batches)
+        super().__init__((batch_seed(seed, -1, 0, i), chunk) for i, chunk in enumerate(chunks))
 
 
 def validation_batches(size: int, rank: int, world_size: int, batch_size: int,
