@@ -174,9 +174,9 @@ def _intra_package_imports(module: str, tree: ast.AST, modules: set[str]) -> set
 
 def test_default_package_stays_within_its_budgets(bake):
     """Issue 39's budgets: no module over 300 lines, no function over 60, no import circle; the
-    package under 7,800 lines (7,100 before shard sets; 7,700 before this round's one module of
-    private torch APIs, issue 65: to be paid back), and the modules a user reads under
-    2,200."""
+    package under 7,700 lines (7,100 before shard sets; the 7,800 allowed for issue 65's module of
+    private torch APIs was paid back by simplifying: 7,761 lines then, 7,685 now), and the modules
+    a user reads under 2,200."""
     package = bake() / "ddp_project"
     trees, sizes = {}, {}
     for path in sorted(package.rglob("*.py")):
@@ -184,7 +184,7 @@ def test_default_package_stays_within_its_budgets(bake):
         text = path.read_text()
         sizes[name], trees[name] = len(text.splitlines()), ast.parse(text)
     assert {n: s for n, s in sizes.items() if s > 300} == {}
-    assert sum(sizes.values()) < 7800
+    assert sum(sizes.values()) < 7700
     read = ("task", "loop", "main", "optim", "evaluation", "config", "settings", "data", "step")
     assert sum(sizes[f"ddp_project.{name}"] for name in read) < 2200
     long_functions = [f"{name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"

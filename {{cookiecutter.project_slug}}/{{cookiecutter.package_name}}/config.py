@@ -52,143 +52,127 @@ class Config:
     """Everything a run needs to know. Built by `parse_args`, saved (as plain types) in
     checkpoints and in <output-dir>/config.json. Each field declared with `setting` is a --flag
     (numbers checked against `low`/`high`, a bool a switch that turns it on) and a key of
-    --config files, listed by --help in the order below."""
+    --config files, listed by --help in the order below (its sections: settings.SECTIONS)."""
 
-    epochs: int = setting(3, "passes over the data", low=1, group="training")
-    batch_size: int = setting(32, "samples per process per step", low=1, group="training")
-    lr: float = setting(3e-3, "peak learning rate (AdamW)", group="training",
+    epochs: int = setting(3, "passes over the data", low=1)
+    batch_size: int = setting(32, "samples per process per step", low=1)
+    lr: float = setting(3e-3, "peak learning rate (AdamW)",
                         type=number("float", 0, 10.0, above=True))
-    weight_decay: float = setting(0.0, "AdamW weight decay", low=0, group="training")
+    weight_decay: float = setting(0.0, "AdamW weight decay", low=0)
     lr_schedule: str = setting("constant", "after the warm-up: constant, or a cosine or linear "
-                               "decay to 0", choices=["constant", "cosine", "linear"],
-                               group="training")
-    warmup_steps: int = setting(0, "linear warm-up steps", low=0, group="training")
-    seed: int = setting(0, "seeds data, model init and every rank", low=0, high=SEED_MAX,
-                        group="training")
+                               "decay to 0", choices=["constant", "cosine", "linear"])
+    warmup_steps: int = setting(0, "linear warm-up steps", low=0)
+    seed: int = setting(0, "seeds data, model init and every rank", low=0, high=SEED_MAX)
     precision: str = setting("fp32", "autocast dtype; fp16 needs CUDA (it uses a GradScaler)",
-                             choices=["fp32", "bf16", "fp16"], group="training")
-    grad_accum: int = setting(1, "micro-batches per optimizer step", low=1, group="training")
-    clip_grad: float = setting(0.0, "max gradient norm, 0 = off", low=0, group="training")
+                             choices=["fp32", "bf16", "fp16"])
+    grad_accum: int = setting(1, "micro-batches per optimizer step", low=1)
+    clip_grad: float = setting(0.0, "max gradient norm, 0 = off", low=0)
     ema_decay: float = setting(0.0, "evaluate, save and export an exponential moving average of "
                                "the weights (after each step: D x average + (1 - D) x weights), "
-                               "e.g. 0.999; 0 = off", type=decay, metavar="D",
-                               group="training")
+                               "e.g. 0.999; 0 = off", type=decay, metavar="D")
     max_steps: int = setting(0, "stop after this many optimizer steps in total, 0 = no limit",
-                             low=0, group="training")
+                             low=0)
     deterministic: bool = setting(False, "deterministic algorithms only (slower on GPU; an error "
-                                  "names any op without one)", group="training")
-    compile: bool = setting(False, "torch.compile the model", group="training")
+                                  "names any op without one)")
+    compile: bool = setting(False, "torch.compile the model")
     activation_checkpointing: bool = setting(False, "each block keeps only its input for the "
                                              "backward pass and runs again there: less memory, "
-                                             "about a third more compute", group="training")
+                                             "about a third more compute")
     find_unused_parameters: bool = setting(False, "DDP find_unused_parameters (only for models "
-                                           "with unused branches)", group="training")
+                                           "with unused branches)")
     check_replicas_every: int = setting(100, "compare the ranks' weights every N steps, as at "
-                                        "every save (0: at saves only)", low=0, group="training")
+                                        "every save (0: at saves only)", low=0)
 
     bucket_cap_mb: float | None = setting(None, "size of DDP's gradient buckets, each all-reduced "
                                           "as soon as its gradients are ready (default: DDP's 25, "
                                           "with a first bucket of 1)",
-                                          type=number("float", 0, 4096.0, above=True), group="ddp")
+                                          type=number("float", 0, 4096.0, above=True))
     static_graph: bool = setting(False, "DDP static_graph: the same parameters are used in every "
-                                 "step", group="ddp")
+                                 "step")
     gradient_as_bucket_view: bool = setting(True, "gradients live inside DDP's buckets (no copy "
-                                            "in and out)",
-                                            action=argparse.BooleanOptionalAction, group="ddp")
+                                            "in and out)", action=argparse.BooleanOptionalAction)
     comm_hook: str = setting("none", "none: all-reduce as is; bf16/fp16: send half the bytes; "
-                             "powersgd: low-rank compression", choices=COMM_HOOKS, group="ddp")
+                             "powersgd: low-rank compression", choices=COMM_HOOKS)
     powersgd_rank: int = setting(1, "--comm-hook powersgd: rank of each gradient's "
-                                 "approximation", low=1, high=64, group="ddp")
+                                 "approximation", low=1, high=64)
     powersgd_warmup_steps: int = setting(1000, "--comm-hook powersgd: steps of plain all-reduce "
-                                         "before compression", low=2, group="ddp")
+                                         "before compression", low=2)
 
     data: str | None = setting(None, "your data on disk instead of the synthetic set (task.py "
-                               "reads it)", metavar="PATH", group="data")
+                               "reads it)", metavar="PATH")
     val_fraction: float = setting(0.1, "share of the data held out and evaluated after every "
-                                  "epoch, 0 = none", type=fraction, group="data")
+                                  "epoch, 0 = none", type=fraction)
     num_workers: int = setting(0, "DataLoader worker processes per rank (0: batches are made "
-                               "in-process)", low=0, high=64, group="data")
+                               "in-process)", low=0, high=64)
     data_on_device: str = setting("auto", "auto: on a GPU, an in-memory data set that takes at "
                                   "most a quarter of the free memory lives there (no copy per "
-                                  "step; --num-workers 0 only)", choices=["auto", "never"],
-                                  group="data")
+                                  "step; --num-workers 0 only)", choices=["auto", "never"])
     shard_cache: str = setting("~/.cache/shards", "--data at a URL: the folder on this machine "
-                               "that keeps its shards while they are used", metavar="PATH",
-                               group="data")
+                               "that keeps its shards while they are used", metavar="PATH")
     shard_cache_gb: float = setting(50.0, "the most --shard-cache holds (least recently used "
-                                    "shards go)", type=number("float", 0, 1e6, above=True),
-                                    group="data")
+                                    "shards go)", type=number("float", 0, 1e6, above=True))
     shuffle_window: int = setting(16, "--data a shard set: its samples are shuffled across this "
-                                  "many shards at a time (and the shards too)", low=1, group="data")
+                                  "many shards at a time (and the shards too)", low=1)
     sync_bn: bool = setting(False, "convert BatchNorm to SyncBatchNorm (CUDA only; a warning on "
-                            "CPU)", group="data")
+                            "CPU)")
     model_layout: str = setting(DEFAULT_MODEL_LAYOUT, "one device per process (DDP), the model "
                                 "split over two devices per process, or parameters sharded "
-                                "across ranks (FSDP2)", choices=LAYOUTS, group="data")
+                                "across ranks (FSDP2)", choices=LAYOUTS)
     stage_devices: list[str] = setting([], "model_parallel_2: the two devices of this process, "
-                                       "e.g. cuda:0,cuda:1", type=device_pair,
-                                       metavar="DEV0,DEV1", group="data")
+                                       "e.g. cuda:0,cuda:1", type=device_pair, metavar="DEV0,DEV1")
     shard_group_size: int = setting(0, "fsdp: shard the model over groups of N ranks and "
                                     "replicate it across the groups (HSDP); 0 = one node's ranks "
                                     "when the job spans several nodes, else all ranks (plain "
-                                    "fsdp)", low=0, metavar="N", group="data")
+                                    "fsdp)", low=0, metavar="N")
 
     backend: str = setting(DEFAULT_BACKEND, "auto = nccl when CUDA GPUs are visible, else gloo",
-                           choices=["auto", "nccl", "gloo"], group="distributed")
+                           choices=["auto", "nccl", "gloo"])
     init_method: str = setting(DEFAULT_INIT_METHOD, "env, tcp, file, tcp://HOST:PORT, "
-                               "file:///path or a path like ./store", metavar="METHOD",
-                               group="distributed")
+                               "file:///path or a path like ./store", metavar="METHOD")
     timeout_s: float = setting(300.0, "seconds any wait for the other ranks may take before the "
-                               "run fails", low=1, high=7 * 24 * 3600, group="distributed")
+                               "run fails", low=1, high=7 * 24 * 3600)
     nprocs: int = setting(1, "start this many processes with mp.spawn (only without a "
-                          "launcher)", low=1, high=1024, group="distributed")
+                          "launcher)", low=1, high=1024)
     local_rank: int | None = setting(None, "set by the legacy torch.distributed.launch; "
                                      "LOCAL_RANK from the environment wins", low=0,
-                                     flags=["--local-rank", "--local_rank"], in_file=False,
-                                     group="distributed")
+                                     flags=["--local-rank", "--local_rank"], in_file=False)
 
-    checkpoint_dir: str = setting("checkpoints", "where checkpoints are written", group="output")
-    save_every: int = setting(1, "save every N epochs, 0 = only at the end", low=0,
-                              group="output")
-    save_every_steps: int = setting(0, "also save every N optimizer steps, 0 = off", low=0,
-                                    group="output")
-    keep_last: int = setting(3, "checkpoints of this run to keep, 0 = keep all", low=0,
-                             group="output")
+    checkpoint_dir: str = setting("checkpoints", "where checkpoints are written")
+    save_every: int = setting(1, "save every N epochs, 0 = only at the end", low=0)
+    save_every_steps: int = setting(0, "also save every N optimizer steps, 0 = off", low=0)
+    keep_last: int = setting(3, "checkpoints of this run to keep, 0 = keep all", low=0)
     resume: str = setting("auto", "auto = newest complete checkpoint in --checkpoint-dir, if "
                           "any; weights-only = its model and EMA, with fresh optimizers and "
-                          "position", metavar="{auto,never,weights-only,PATH}", group="output")
-    async_save: bool = setting(False, "write checkpoints in the background while training goes "
-                               "on", group="output")
-    output_dir: str = setting("runs/latest", "metrics.jsonl, summary.json and config.json go "
-                              "here", group="output")
+                          "position", metavar="{auto,never,weights-only,PATH}")
+    async_save: bool = setting(False, "write checkpoints in the background while training goes on")
+    output_dir: str = setting("runs/latest", "metrics.jsonl, summary.json and config.json go here")
     run_name: str | None = setting(None, "outputs in runs/NAME and checkpoints in "
                                    "checkpoints/NAME (unless --output-dir / --checkpoint-dir "
-                                   "are given)", type=folder_name, group="output")
+                                   "are given)", type=folder_name)
     eval_every_steps: int = setting(0, "also evaluate every N optimizer steps (0: only at the end "
-                                    "of epochs)", low=0, group="output")
+                                    "of epochs)", low=0)
     eval_only: bool = setting(False, "evaluate the --resume checkpoint, write "
-                              "<output-dir>/eval.json, change nothing", group="output")
+                              "<output-dir>/eval.json, change nothing")
     keep_best: str | None = setting(None, "also keep the checkpoint with the best METRIC (e.g. "
                                     "val_accuracy:max), whatever --keep-last says", type=goal_flag,
-                                    metavar="METRIC[:max|min]", group="output")
+                                    metavar="METRIC[:max|min]")
     early_stop: str | None = setting(None, "stop when METRIC has not improved for PATIENCE "
                                      "evaluations", type=early_stop_flag,
-                                     metavar="METRIC[:max|min]:PATIENCE", group="output")
-    log_every: int = setting(10, "log every N optimizer steps", low=1, group="output")
+                                     metavar="METRIC[:max|min]:PATIENCE")
+    log_every: int = setting(10, "log every N optimizer steps", low=1)
     step_times: str | None = setting(None, "write rank 0's wall-clock time at the end of every "
                                      "optimizer step (on a GPU also each step's CUDA-event time) "
-                                     "to this JSON file", metavar="PATH", group="output")
+                                     "to this JSON file", metavar="PATH")
     profile_steps: str | None = setting(None, "record a torch.profiler trace of these optimizer "
                                         "steps on rank 0 into <output-dir>/profile/",
-                                        type=step_range, metavar="FIRST:LAST", group="output")
+                                        type=step_range, metavar="FIRST:LAST")
     tracker: str = setting(DEFAULT_TRACKER, "where metrics go besides metrics.jsonl (rank 0 only)",
-                           choices=TRACKERS, group="output")
+                           choices=TRACKERS)
     progress: bool = setting(True, "no progress bar (default: a bar on rank 0 where tqdm is "
-                             "installed)", flags=["--no-progress"], action="store_false",
-                             group="output")
+                             "installed)", flags=["--no-progress"], action="store_false")
     config: str | None = setting(None, "a TOML file of flag values (keys like the flags without "
                                  "--); flags given on the command line win", metavar="PATH",
-                                 in_file=False, group="output")
+                                 in_file=False)
     task: Any = field(default_factory=NoSettings)  # task.py's Settings
     # Fields set by a flag or the --config file rather than left at their default ("task.x" for a
     # task setting): a resumed run keeps the earlier run's retention unless it is given again.

@@ -65,12 +65,11 @@ class ShardedBatchSampler:
     the same global batch (batch size x world size)."""
 
     def __init__(self, size: int, rank: int, world_size: int, batch_size: int, seed: int,
-                 shuffle: bool = True, order: Callable[[int, int], torch.Tensor] | None = None
-                 ) -> None:
+                 order: Callable[[int, int], torch.Tensor] | None = None) -> None:
         if size < 1:
             raise ValueError("the data set is empty")
         self.size, self.rank, self.world_size = size, rank, world_size
-        self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
+        self.batch_size, self.seed = batch_size, seed
         self.order = order  # (seed, epoch) -> the epoch's order, if not a plain shuffle
         self.shard_size = math.ceil(size / world_size)
         self.epoch, self.start_batch = 0, 0
@@ -98,11 +97,9 @@ class ShardedBatchSampler:
     def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
         if self.order is not None:  # a data set's own (a shard set's: shards, then windows)
             order = self.order(self.seed, self.epoch)
-        elif self.shuffle:
+        else:
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(
                 self.seed + self.epoch))
-        else:
-            order = torch.arange(self.size)
         padded = self.shard_size * self.world_size
         if padded > self.size:  # repeat samples from the start, as DistributedSampler does
             order = torch.cat([order, order.repeat(math.ceil(padded / self.size))[
@@ -119,8 +116,8 @@ def batch_seed(seed: int, rank: int, epoch: int, batch: int) -> int:
     return hash((seed, rank, epoch, batch)) % 2**63
 
 
-class FixedBatches:
-    """The same batches every time, as `(seed, indices)` pairs: this rank's share of the
+class FixedBatches(list):
+    """The same batches every time, a list of `(seed, indices)` pairs: this rank's share of the
     validation set. Padded with batches to ignore (after the first `real` ones) up to `count`, so
     every rank runs as many forward passes as the others (fsdp gathers weights in each)."""
 
@@ -129,13 +126,7 @@ class FixedBatches:
         self.real = len(chunks)
         filler = indices[:1] if len(indices) else torch.zeros(1, dtype=torch.long)
         chunks += [filler] * (count - len(chunks))
-        self.batches = [(batch_seed(seed, -1, 0, i), chunk) for i, chunk in enumerate(chunks)]
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
-        return iter(self.batches)
+        super().__init__((batch_seed(seed, -1, 0, i), chunk) for i, chunk in enumerate(chunks))
 
 
 def validation_batches(size: int, rank: int, world_size: int, batch_size: int,
@@ -186,8 +177,7 @@ class WorkerError:
 
 class InProcessLoader:
     """Batches made in the training process: `DataLoader(num_workers=0)` with our sampler, without
-    its per-batch bookkeeping (about 20 us, a few percent of a small model's step). On a GPU,
-    DevicePrefetcher pins them: one more host copy, which lets the copy to the device overlap."""
+    its per-batch bookkeeping (about 20 us, a few percent of a small model's step)."""
 
     def __init__(self, fetcher: BatchFetcher, batches: Any) -> None:
         self.fetcher, self.batches = fetcher, batches
@@ -206,20 +196,13 @@ def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_w
     (runtime/workers.py: data set and `collate` must pickle), prefetched to a GPU unless there."""
     fetcher = BatchFetcher(dataset, collate)
     on_gpu = device.type == "cuda"
-    if num_workers == 0:
-        if lives_on(dataset, device):  # cut on the device: nothing to copy, nothing to prefetch
-            return InProcessLoader(fetcher, batches.to(device) if hasattr(batches, "to")
-                                   else batches)
-        loader = InProcessLoader(fetcher, batches)
-        return DevicePrefetcher(loader, device, ahead=False) if on_gpu else loader
-    loader = worker_loader(fetcher, batches, num_workers, pin_memory=on_gpu)
-    return DevicePrefetcher(loader, device, ahead=True) if on_gpu else loader
-
-
-def lives_on(dataset: Dataset | None, device: torch.device) -> bool:
-    """Whether `dataset` is in-memory tensors already on `device` (not the CPU)."""
-    return (type(dataset) is InMemoryDataset and device.type != "cpu"
-            and all(t.device == device for t in dataset.tensors))
+    # In-memory tensors already on the device are cut there: nothing to copy, nothing to prefetch.
+    if num_workers == 0 and type(dataset) is InMemoryDataset and device.type != "cpu" and all(
+            t.device == device for t in dataset.tensors):
+        return InProcessLoader(fetcher, batches.to(device) if hasattr(batches, "to") else batches)
+    loader = (worker_loader(fetcher, batches, num_workers, pin_memory=on_gpu) if num_workers
+              else InProcessLoader(fetcher, batches))
+    return DevicePrefetcher(loader, device, ahead=num_workers > 0) if on_gpu else loader
 
 
 def place_on_device(datasets: list[Dataset | None], device: torch.device, num_workers: int,

@@ -30,9 +30,9 @@ class Evaluator:
     def run(self, model: nn.Module, autocast: Any, ema: EMA | None = None) -> dict[str, float]:
         """The `val_*` metrics of `model`; with an EMA, of its averaged weights, and the model's
         own as `val_raw_*` (every rank runs this: it ends in a collective)."""
-        if ema is None:
-            return self._run(model, autocast)
         raw = self._run(model, autocast)
+        if ema is None:
+            return raw
         with ema.weights_in():
             averaged = self._run(model, autocast)
         return {**averaged, **{f"val_raw_{k[4:]}": v for k, v in raw.items()}}
@@ -163,9 +163,6 @@ class ModelSelection:
             self.best, self.stop_best = state["best"], state["stop_best"]
             self.since_best = state["since_best"]
 
-    def summary(self) -> dict[str, Any]:
-        return {"best": self.best or None, "early_stopped": self.should_stop}
-
 
 class Evaluation:
     """When to evaluate (each epoch's end, every --eval-every-steps) and what follows: the log,
@@ -232,7 +229,8 @@ class Evaluation:
 
     def summary(self) -> dict[str, Any]:
         """The evaluation's part of summary.json."""
-        return {**self.values, **self.selection.summary()}
+        return {**self.values, "best": self.selection.best or None,
+                "early_stopped": self.selection.should_stop}
 
 
 def _shown(metrics: dict[str, float]) -> str:

@@ -78,6 +78,10 @@ def local_rank_from_env() -> int:
     return 0
 
 
+def warn(text: str) -> None:
+    print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
 def report_error(exc: ProjectError, local_rank: int | None = None) -> None:
     final = exc.everywhere or isinstance(exc, UsageError)  # a restart cures neither
     if exc.quiet:  # printed by a rank that may be on another node, a moment behind

@@ -9,7 +9,6 @@ evaluation.py and checkpoint/checkpointer.py. The model, its loss and its metric
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from .checkpoint.checkpointer import Checkpointer
 from .config import Config
 from .data import ShardedBatchSampler, move_to
 from .evaluation import Evaluation, Evaluator
+from .failures import warn
 from .meters import Throughput
 from .metrics import Metrics
 from .optim import Optimization
@@ -145,14 +145,15 @@ class Trainer:
                 self.step, self.batch_in_epoch = self.step + 1, i + 1
                 if self._after_step(epoch, last_of_epoch=i + 1 == total):
                     break
-        self.metrics.end_epoch()
+        self.metrics.settle()
+        self.metrics.progress.close()
         if self.batch_in_epoch == total:
             self.epoch, self.batch_in_epoch = epoch + 1, 0
             self._evaluate(epoch)
 
     def _run_batch(self, batch: Any, weight: float, last: bool) -> dict[str, torch.Tensor]:
-        """One batch through the step function; returns what it logs. `weight`: the batch's share
-        of its accumulation group's samples; gradients are exchanged at the group's `last` batch."""
+        """One batch through the step function (`weight`, `last`: as Step.begin); returns what it
+        logs."""
         self.step_state.begin(self.step, weight, last)
         with contextlib.nullcontext() if last else no_gradient_sync(self.model):
             values = self.train_step(self.step_state, batch)
@@ -176,8 +177,12 @@ class Trainer:
 
     def _after_step(self, epoch: int, last_of_epoch: bool) -> bool:
         """Log, evaluate and save where each is due; True when training stops at this step."""
-        if self.metrics.first_step_s is None:
-            self._after_first_step()
+        if self.metrics.first_step_s is None:  # the first step
+            self.metrics.first_step_s = time.time() - self.started_at
+            self.lifeline.tell("hint", "resume continues from the newest checkpoint in "
+                               f"{storage.shown(self.cfg.checkpoint_dir)}")
+            if self.backend == "nccl":  # start-up had longer: training gets --timeout-s
+                set_group_timeout(self.cfg.timeout_s)
         self.metrics.step_done(self.step, epoch, last=last_of_epoch or self._done())
         if self.evaluation.due(self.step, last_of_epoch):  # epochs end with one anyway
             self._evaluate(epoch)
@@ -187,13 +192,6 @@ class Trainer:
             self.metrics.check_weights(self.step, list(self.unwrapped.named_parameters()))
         self.checkpointer.maybe_save(self.step, self.loop_state, last_of_epoch=last_of_epoch)
         return False
-
-    def _after_first_step(self) -> None:
-        self.metrics.first_step_s = time.time() - self.started_at
-        self.lifeline.tell("hint", "resume continues from the newest checkpoint in "
-                           f"{storage.shown(self.cfg.checkpoint_dir)}")
-        if self.backend == "nccl":  # start-up had longer: training gets --timeout-s
-            set_group_timeout(self.cfg.timeout_s)
 
     def _evaluate(self, epoch: int) -> None:
         self.metrics.settle()  # the step's metrics line comes before its evaluation's
@@ -226,12 +224,10 @@ class Trainer:
         self.evaluation.check_metric_names()
         self.metrics.open(resumed=resumed_from is not None)
         if self.cfg.warmup_steps > self.optim.total_steps and self.world.is_main:
-            print(f"warning: --warmup-steps {self.cfg.warmup_steps} is longer than the run "
-                  f"({self.optim.total_steps} steps): the learning rate never reaches --lr",
-                  file=sys.stderr, flush=True)
+            warn(f"--warmup-steps {self.cfg.warmup_steps} is longer than the run "
+                 f"({self.optim.total_steps} steps): the learning rate never reaches --lr")
         if (unheld := self.optim.unheld) and self.world.is_main:
-            print(f"warning: no optimizer of task.configure_optimizer holds {len(unheld)} "
-                  f"trainable parameters ({', '.join(unheld[:3])}{', ...' * (len(unheld) > 3)}): "
-                  "they never change; set requires_grad=False on those meant to stay frozen",
-                  file=sys.stderr, flush=True)
+            warn(f"no optimizer of task.configure_optimizer holds {len(unheld)} trainable "
+                 f"parameters ({', '.join(unheld[:3])}{', ...' * (len(unheld) > 3)}): they never "
+                 "change; set requires_grad=False on those meant to stay frozen")
         return None

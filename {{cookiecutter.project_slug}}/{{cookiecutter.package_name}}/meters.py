@@ -70,12 +70,9 @@ class StepClock:
             self.events.append(torch.cuda.Event(enable_timing=True))
             self.events[-1].record()
 
-    def step_ms(self) -> list[float]:
-        ms = [1000 * (b - a) for a, b in zip(self.ends, self.ends[1:], strict=False)]
-        return ms[self.WARMUP:] if len(ms) > 2 * self.WARMUP else ms
-
     def summary(self) -> dict[str, float | None]:
-        ms = self.step_ms()
+        ms = [1000 * (b - a) for a, b in zip(self.ends, self.ends[1:], strict=False)]
+        ms = ms[self.WARMUP:] if len(ms) > 2 * self.WARMUP else ms
         return {"median_step_ms": round(statistics.median(ms), 3) if ms else None,
                 "p90_step_ms": round(statistics.quantiles(ms, n=10)[-1], 3) if len(ms) > 1
                 else None}

@@ -159,10 +159,6 @@ class Metrics:
                              everywhere=True)
         self._checked_at = step
 
-    def end_epoch(self) -> None:
-        self.settle()
-        self.progress.close()
-
     def record(self, record: dict[str, Any]) -> None:
         """One line of metrics.jsonl (and the tracker)."""
         self.writer.log(record)

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import Config
 from .data import move_to
-from .failures import UsageError
+from .failures import UsageError, warn
 from .runtime.torch_private import compile_supported, fsdp_for_own_step, uncompiled
 
 
@@ -119,8 +119,7 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
             # Batch statistics over the global batch; only the CUDA kernels support it.
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         elif is_main:
-            print("warning: --sync-bn needs CUDA; keeping per-process BatchNorm on CPU",
-                  file=sys.stderr, flush=True)
+            warn("--sync-bn needs CUDA; keeping per-process BatchNorm on CPU")
     if cfg.compile and not compile_supported():
         raise UsageError(f"--compile: torch.compile does not support Python "
                          f"{sys.version.split()[0]} on {sys.platform} with PyTorch "

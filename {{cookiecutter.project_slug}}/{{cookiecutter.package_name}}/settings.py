@@ -21,10 +21,12 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI (a declared dependency there)
     import tomli as tomllib
 
-GROUPS = {"training": "training",  # the sections of --help, in this order
-          "ddp": "DDP's gradient exchange (docs/performance.md says when to change them)",
-          "data": "data and model (task.py reads these)", "distributed": "distributed",
-          "output": "checkpoints and output"}
+# The sections of --help, each from its first Config field on (Config declares them in order).
+SECTIONS = {
+    "epochs": "training",
+    "bucket_cap_mb": "DDP's gradient exchange (docs/performance.md says when to change them)",
+    "data": "data and model (task.py reads these)", "backend": "distributed",
+    "checkpoint_dir": "checkpoints and output"}
 SETTING_TYPES = ("int", "float", "bool", "str", "str | None")  # what task.py's Settings may use
 _TOML_TYPES = {  # the Python types a --config value may have, by the setting's declared type
     "int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "str | None": (str,),
@@ -32,13 +34,12 @@ _TOML_TYPES = {  # the Python types a --config value may have, by the setting's 
 
 
 def setting(default: Any, help: str, low: float | None = None, unused_with: str | None = None,
-            *, high: float | None = None, group: str | None = None, in_file: bool = True,
-            **flag: Any) -> Any:
+            *, high: float | None = None, in_file: bool = True, **flag: Any) -> Any:
     """One setting: its default; its --flag's one-line help; for numbers the lowest (and highest)
     value it accepts; the Config field (e.g. "data") that makes it do nothing (set both: a warning).
-    Config's own also name their section of --help (a key of GROUPS), whether a --config file may
-    set them, and any other argparse details of the flag (type, choices, metavar, action, flags)."""
-    meta = {"help": help, "low": low, "high": high, "unused_with": unused_with, "group": group,
+    Config's own also say whether a --config file may set them, and any other argparse details of
+    the flag (type, choices, metavar, action, flags)."""
+    meta = {"help": help, "low": low, "high": high, "unused_with": unused_with,
             "in_file": in_file, "flag": flag}
     if isinstance(default, list):  # a list of its own for every Config
         return field(default_factory=lambda: list(default), metadata=meta)
@@ -131,15 +132,15 @@ def build_parser(config: type, settings: type | None) -> Parser:
     p.types = {f.name: f.type for f in dataclasses.fields(config)}
     p.launch_only = {f.name for f in dataclasses.fields(config)
                      if f.metadata.get("in_file") is False}
-    defaults, groups = config(), {}
+    defaults, group = config(), None
     for f in dataclasses.fields(config):
-        if (name := f.metadata.get("group")) is None:  # task and given: filled in by parse_args
+        if "help" not in f.metadata:  # task, given, total_steps: not flags
             continue
-        if name not in groups:
-            groups[name] = p.add_argument_group(GROUPS[name])
+        if f.name in SECTIONS:
+            group = p.add_argument_group(SECTIONS[f.name])
         implied = ({"action": "store_true"} if f.type == "bool" else
                    {"type": number(f.type, f.metadata["low"], f.metadata["high"])})
-        _add_flag(groups[name], f, f.name, getattr(defaults, f.name), implied)
+        _add_flag(group, f, f.name, getattr(defaults, f.name), implied)
     if settings is not None:
         g = p.add_argument_group("task.py's settings (the task reads cfg.task.<name>)")
         for f in dataclasses.fields(settings):

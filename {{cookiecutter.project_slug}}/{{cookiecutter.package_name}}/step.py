@@ -1,8 +1,7 @@
 """One training step: `Step`, what a step function is given for one batch, and the default step.
 
 The loop calls `task.train_step(step, batch)` once per batch when task.py defines one, else
-`plain_step(task.loss_fn)` below: the forward, the backward and one optimizer's update
-(docs/custom-step.md). A run's step is one accumulation group (one batch without --grad-accum):
+`plain_step(task.loss_fn)` below (docs/custom-step.md). A run's step is one accumulation group:
 `backward` weights a batch's loss by its share of the group's samples; gradients are exchanged
 and `update` steps at the group's last batch only; then the fp16 scale and the EMA update once.
 """
@@ -78,7 +77,10 @@ def plain_step(loss_fn: Callable, optimizers: dict) -> Callable[[Step, Any], dic
             loss = loss_fn(step.model, batch)
         loss, parts = loss if type(loss) is tuple else (loss, None)
         if not checked:  # once: the same code gives the same kind of loss every time
-            check_loss(loss)
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise UsageError(f"task.loss_fn must return the batch's mean loss as a scalar "
+                                 f"tensor that requires grad; it returned {shape}", everywhere=True)
             checked.append(True)
         step.backward(loss)
         step.update()
@@ -86,13 +88,6 @@ def plain_step(loss_fn: Callable, optimizers: dict) -> Callable[[Step, Any], dic
                                              OWN_FIELDS | {"loss"})}
 
     return train_step
-
-
-def check_loss(loss: Any) -> None:
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise UsageError(f"task.loss_fn must return the batch's mean loss as a scalar tensor "
-                         f"that requires grad; it returned {shape}", everywhere=True)
 
 
 def check_values(values: Any, where: str, taken: frozenset[str] = OWN_FIELDS) -> dict[str, Any]:

@@ -7,7 +7,6 @@ unpickle whatever a peer sends, which can run code, and need numpy."""
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..failures import UsageError
+from ..failures import UsageError, warn
 from ..optim import Optimization
 from . import storage
 from .files import is_complete, list_checkpoints, load_checkpoint, read_meta, step_of, unreadable
@@ -43,8 +42,7 @@ def pick_checkpoint(resume: str, directory: str) -> storage.AnyPath | None:
         if (why := unreadable(path, resuming=True)) is None:
             return path
         # A kill during a copy, a full disk: fall back to the one before.
-        print(f"warning: skipping unreadable checkpoint {path} ({why})", file=sys.stderr,
-              flush=True)
+        warn(f"skipping unreadable checkpoint {path} ({why})")
     if resume == "weights-only":
         raise UsageError(f"--resume weights-only: no checkpoint in {storage.shown(directory)} to "
                          "take the weights of; give --checkpoint-dir the run's folder")
@@ -149,15 +147,13 @@ def restore_position(meta: dict[str, Any], cfg: Config, world_size: int, batches
         seen = meta["samples_in_epoch"]
         batch = seen // per_batch // cfg.grad_accum * cfg.grad_accum
         if say and batch:
-            print(f"warning: checkpoint is from {meta['world_size']} processes x batch "
-                  f"{meta['batch_size']}; continuing epoch {epoch} after {batch * per_batch} of "
-                  f"the {seen} samples already seen (exact resume needs the same world and batch "
-                  "size)", file=sys.stderr, flush=True)
+            warn(f"checkpoint is from {meta['world_size']} processes x batch {meta['batch_size']}; "
+                 f"continuing epoch {epoch} after {batch * per_batch} of the {seen} samples "
+                 "already seen (exact resume needs the same world and batch size)")
     if batch >= batches_per_epoch:
         if say:
-            print(f"warning: {path.name} is {batch} batches into epoch {epoch}, which now has "
-                  f"{batches_per_epoch}; going on with epoch {epoch + 1}", file=sys.stderr,
-                  flush=True)
+            warn(f"{path.name} is {batch} batches into epoch {epoch}, which now has "
+                 f"{batches_per_epoch}; going on with epoch {epoch + 1}")
         epoch, batch = epoch + 1, 0
     window = meta.get("config", {}).get("shuffle_window")
     if batch and window != data.get("shuffle_window", window):

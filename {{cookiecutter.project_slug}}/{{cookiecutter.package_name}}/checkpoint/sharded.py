@@ -3,9 +3,8 @@
 `get_state_dict` / `set_state_dict` speak every layout: a DDP or split model gives plain tensors,
 an FSDP2 model its local shards (DTensors). DCP writes each rank's shards into one checkpoint
 folder and reads them back on any number of ranks, resharding as needed. Rank 0 adds `meta.json`
-and gives the folder its real name once DCP has written its `.metadata` (the last file, after every
-rank's data): a folder with the real name is complete. In object storage (no rename) it is written
-under its real name, and `meta.json`, written last, completes it."""
+and gives the folder its real name (folder.py's commit) once DCP has written its `.metadata` (the
+last file, after every rank's data): a folder with the real name is complete."""
 
 from __future__ import annotations
 

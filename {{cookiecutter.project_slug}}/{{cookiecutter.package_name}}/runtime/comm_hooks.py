@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections import defaultdict
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -125,7 +126,7 @@ class PowerSGD:
         one, each in a buffer laid out as in that run: the same computation as there."""
         grads = dict(zip(params, bucket.gradients(), strict=True))
         for key, members in saved:
-            piece = SavedBucket(key, len(self.saved_layout), [grads[i] for i in members])
+            piece = saved_bucket(key, len(self.saved_layout), [grads[i] for i in members])
             self._fit_state_to(key, members, piece.buffer())
             self.torch_hook.powerSGD_hook(self.state, piece).wait()
             for i, grad in zip(members, piece.gradients(), strict=True):
@@ -227,23 +228,11 @@ class PowerSGD:
                                        f"the checkpoint used --powersgd-rank {saved['rank']}")
 
 
-class SavedBucket:
-    """A bucket of an earlier DDP, as PowerSGD reads it: its index, its gradients in one buffer."""
-
-    def __init__(self, index: int, count: int, grads: list[torch.Tensor]) -> None:
-        self._index, self._count = index, count
-        self._buffer = torch.cat([g.reshape(-1) for g in grads])
-        self._grads = [part.view_as(g) for part, g in
-                       zip(self._buffer.split([g.numel() for g in grads]), grads, strict=True)]
-
-    def index(self) -> int:
-        return self._index
-
-    def is_last(self) -> bool:
-        return self._index == self._count - 1
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def gradients(self) -> list[torch.Tensor]:
-        return self._grads
+def saved_bucket(index: int, count: int, grads: list[torch.Tensor]) -> SimpleNamespace:
+    """Bucket `index` of `count` of an earlier DDP, as PowerSGD reads one (the GradBucket methods
+    it calls): its gradients in one buffer."""
+    buffer = torch.cat([g.reshape(-1) for g in grads])
+    views = [part.view_as(g) for part, g in
+             zip(buffer.split([g.numel() for g in grads]), grads, strict=True)]
+    return SimpleNamespace(index=lambda: index, is_last=lambda: index == count - 1,
+                           buffer=lambda: buffer, gradients=lambda: views)

@@ -141,13 +141,10 @@ class Lifeline:
             with self._lock:
                 wait = self._wait
             timeout = None if wait is None else max(0.0, wait[0] - time.monotonic())
-            ready, _, _ = select.select(sources, [], [], timeout)
-            if ready:
-                for source in ready:
-                    for signum in source.recv(64):
-                        if signum and self._phase != "closed":
-                            self._on_signal(signum)
-                continue
+            for source in select.select(sources, [], [], timeout)[0]:
+                for signum in source.recv(64):
+                    if signum and self._phase != "closed":
+                        self._on_signal(signum)
             with self._lock:
                 wait = self._wait
             if wait is not None and wait[0] <= time.monotonic():

@@ -112,8 +112,6 @@ def resolve_rendezvous(method: str, world: World, rendezvous_dir: Path,
     platform = platform or sys.platform
     if method == "env" and platform == "win32" and world.launcher in ("none", "spawn"):
         method = "file"  # no TCP store to start on Windows: a file next to the run is reliable
-    if "://" in method and method.split("://", 1)[0] not in ("env", "tcp", "file"):
-        raise UsageError(f"--init-method {method!r} is not one of {INIT_METHODS}", everywhere=True)
     under_torchrun = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if method in ("env", "env://", "tcp"):
         if world.master_port is None:
@@ -137,9 +135,9 @@ def resolve_rendezvous(method: str, world: World, rendezvous_dir: Path,
                              everywhere=True)
         rest = unquote(method[len("file://"):].removeprefix("localhost"))
         path = Path(PureWindowsPath(rest.lstrip("/")) if platform == "win32" else rest)
-    elif "/" in method or os.sep in method or method.startswith("."):
+    elif "://" not in method and ("/" in method or os.sep in method or method.startswith(".")):
         path = Path(method)
-    else:
+    else:  # a word, or a URL scheme, of none of them
         raise UsageError(f"--init-method {method!r} is not one of {INIT_METHODS}", everywhere=True)
     if (path := path.resolve()).is_dir():
         raise UsageError(f"--init-method {method}: {path} is a folder; name a file inside it",

@@ -83,9 +83,9 @@ def compile_supported() -> bool:
 
 
 def ddp_backward(ddp: nn.Module) -> Callable[[torch.Tensor], None]:
-    """What readies DDP's reducer from a loss as its forward does (Reducer._rebuild_buckets, then
-    prepare_for_backward; as Lightning): gradients are exchanged whatever path a step's forward
-    took. Checked once, here, not at every step. Missing: an error line (every DDP step uses it)."""
+    """What readies DDP's reducer from a loss as its forward does, for Step.backward
+    (Reducer._rebuild_buckets, then prepare_for_backward). Checked once, here, not at every step.
+    Missing: an error line (every DDP step uses it)."""
     if not all(hasattr(getattr(ddp, "reducer", None), f)
                for f in ("_rebuild_buckets", "prepare_for_backward")):
         raise missing("a step under DDP", "DistributedDataParallel's reducer.prepare_for_backward")

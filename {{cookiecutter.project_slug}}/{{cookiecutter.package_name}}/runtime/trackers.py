@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import uuid
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from ..failures import UsageError
+from ..failures import UsageError, warn
 
 NOT_SCALARS = ("step", "epoch")
 PROJECT = "{{ cookiecutter.project_slug }}"  # the W&B project and MLflow experiment by default
@@ -24,7 +23,7 @@ class MetricsWriter:
                  append: bool = False, config: dict[str, Any] | None = None,
                  tracker_run_id: str | None = None) -> None:
         self.output_dir, self.enabled, self._file = Path(output_dir), enabled, None
-        self.tracker: Tracker | None = None
+        self.tracker: SafeTracker | None = None
         if not enabled:
             return
         try:
@@ -62,12 +61,6 @@ class MetricsWriter:
         if self.tracker is not None:
             self.tracker.close()
             self.tracker = None
-
-
-class Tracker(Protocol):
-    run_id: str | None
-    def log(self, record: dict[str, Any]) -> None: ...
-    def close(self) -> None: ...
 
 
 def _scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -157,7 +150,7 @@ class MlflowTracker:
 
 
 def open_tracker(name: str, output_dir: Path, config: dict[str, Any],
-                 run_id: str | None) -> Tracker | None:
+                 run_id: str | None) -> SafeTracker | None:
     """The tracker `name` ("none" gives None), continuing `run_id` when there is one."""
     if name == "none":
         return None
@@ -166,9 +159,9 @@ def open_tracker(name: str, output_dir: Path, config: dict[str, Any],
 
 
 class SafeTracker:
-    """A tracker whose failures mid-run are a warning, never the end of the run."""
+    """A tracker (a class above) whose failures mid-run are a warning, never the end of the run."""
 
-    def __init__(self, tracker: Tracker) -> None:
+    def __init__(self, tracker: Any) -> None:
         self.tracker, self.run_id, self.broken = tracker, tracker.run_id, False
 
     def log(self, record: dict[str, Any]) -> None:
@@ -178,11 +171,10 @@ class SafeTracker:
             self.tracker.log(record)
         except Exception as exc:
             self.broken = True
-            print(f"warning: the tracker failed ({exc!r}); metrics.jsonl goes on",
-                  file=sys.stderr, flush=True)
+            warn(f"the tracker failed ({exc!r}); metrics.jsonl goes on")
 
     def close(self) -> None:
         try:
             self.tracker.close()
         except Exception as exc:
-            print(f"warning: closing the tracker failed ({exc!r})", file=sys.stderr, flush=True)
+            warn(f"closing the tracker failed ({exc!r})")
