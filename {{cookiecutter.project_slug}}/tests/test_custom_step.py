@@ -1,8 +1,9 @@
 """A training step of your own (docs/custom-step.md): each worked example, as the doc writes it,
 is the task.py of a copy of the project and trains under torchrun with 2 processes; the GAN logs
 its parts, and a run of it killed with SIGKILL resumes to an uninterrupted run's state bit for
-bit, with --grad-accum 2 and --ema-decay, under data_parallel and fsdp. Each mistake is one error line: the
-checks themselves are tested here in this process (the default tier), a few as real runs."""
+bit, with --grad-accum 2 and --ema-decay, under data_parallel and fsdp. Each mistake is one error
+line: the checks themselves are tested here in this process (the default tier), a few as real
+runs."""
 
 from __future__ import annotations
 
