@@ -169,14 +169,15 @@ def test_distributed_evaluation_equals_the_single_process_value(workdir):
             assert reported[f"val_{key}"] == pytest.approx(sums[key] / count, rel=1e-5), key
 
 
-def test_same_seed_same_parameters_bit_for_bit(workdir):
+def test_another_seed_gives_another_model(workdir):
+    """--seed reaches the model and the data workers. (The same seed gives the same model bit for
+    bit: every killed-and-resumed run in test_recovery.py ends with its uninterrupted run's weights,
+    with data workers in test_per_sample_workers_with_random_augmentation_resume_bit_for_bit.)"""
     args = [*SMALL, "--dataset-size", "256", "--epochs", "2", "--deterministic", "--num-workers",
             "1", "--seed", "7"]
     ok(torchrun([*args, "--checkpoint-dir", "a"], workdir))
-    ok(torchrun([*args, "--checkpoint-dir", "b"], workdir))
     ok(torchrun([*args[:-1], "8", "--checkpoint-dir", "c"], workdir))
-    a, b, c = (final_model(workdir / d) for d in "abc")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    a, c = (final_model(workdir / d) for d in "ac")
     assert not all(torch.equal(a[k], c[k]) for k in a), "another seed gave the same model"
 
 
