@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from .checkpoint import storage
 from .evaluation import early_stop_flag, goal_flag
 from .failures import local_rank_from_env
+from .failures import warn as print_warning  # parse_args' `warn` flag has the name
 from .settings import (  # task.py imports `setting` from .settings too
     decay,
     device_pair,
@@ -209,7 +209,7 @@ def parse_args(argv: list[str] | None, settings: type | None, warn: bool = True)
         parser.fail(problem)
     if warn and local_rank_from_env() == 0:
         for warning in unused_settings(cfg):
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
+            print_warning(warning)
     return cfg
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import io
 import os
-import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -43,7 +42,7 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from .data import InMemoryDataset, split_for_validation
-from .failures import UsageError, local_rank_from_env
+from .failures import UsageError, local_rank_from_env, warn
 from .settings import setting
 from .shards.read import is_shard_set, read_index, shard_parts
 
@@ -168,8 +167,8 @@ class ImageFolder(Dataset):
             bad = {path for path, _ in self.files if not decodes(path)}
             self.skipped = len(bad)
             if bad and local_rank_from_env() == 0:
-                print(f"warning: --skip-bad-images: left out {len(bad)} file(s) that cannot be "
-                      f"decoded, e.g. {min(bad)}", file=sys.stderr, flush=True)
+                warn(f"--skip-bad-images: left out {len(bad)} file(s) that cannot be decoded, "
+                     f"e.g. {min(bad)}")
             self.files = [(path, label) for path, label in self.files if path not in bad]
         self.augment = augment
 
