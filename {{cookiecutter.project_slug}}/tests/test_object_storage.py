@@ -131,12 +131,11 @@ def test_a_kill_in_the_middle_of_an_upload_leaves_the_previous_checkpoint_newest
                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert proxy.held.wait(120), job.communicate(timeout=60)
-        # The whole job at once, as a machine is lost: torchrun's group, and its workers, which
-        # have sessions of their own (left alone, the one held in its upload ends 25 s later).
-        workers = descendants(job.pid)
-        os.killpg(job.pid, signal.SIGKILL)
-        for pid in workers:
-            with contextlib.suppress(ProcessLookupError):
+        # The whole job at once, as a machine is lost: torchrun and every process below it (its
+        # workers have sessions of their own: left alone, the one held in its upload ends 25 s
+        # later, outside the reach of a signal to torchrun's process group).
+        for pid in [job.pid, *descendants(job.pid)]:  # listed first, then killed
+            with contextlib.suppress(ProcessLookupError):  # (a helper may end with its parent)
                 os.kill(pid, signal.SIGKILL)
         job.communicate(timeout=60)
     finally:
