@@ -4,8 +4,10 @@ project, and trains, evaluates and resumes exactly under torchrun with no other 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -22,6 +24,7 @@ from conftest import (
 )
 
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints
+from {{ cookiecutter.package_name }}.config import parse_args
 
 pytestmark = pytest.mark.full  # the slow tier: pytest --full
 
@@ -145,6 +148,14 @@ def test_a_task_of_dicts_trains_evaluates_and_resumes(custom_project, layout):
     assert lrs[-1] == pytest.approx(0.01 * 0.9 ** (steps // 10))  # StepLR, once a step
 
 
+def load_module(path: Path):
+    """The task.py of the copy, imported under a name of its own (the package's stays as is)."""
+    spec = importlib.util.spec_from_file_location("custom_task", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def dropout_of_the_run(project, output_dir: str, checkpoint_dir: str) -> float:
     config = json.loads((project / output_dir / "config.json").read_text())
     saved = load_state(list_checkpoints(project / checkpoint_dir)[0])["config"]["task"]["dropout"]
@@ -152,34 +163,37 @@ def dropout_of_the_run(project, output_dir: str, checkpoint_dir: str) -> float:
     return saved
 
 
-def test_a_setting_declared_in_task_py_alone_is_a_flag_everywhere(custom_project):
-    """`dropout` exists only in the task's Settings: a flag under torchrun and spawn, a key of
-    --config files, saved in config.json and in every checkpoint, and checked like any flag."""
+def test_a_setting_declared_in_task_py_alone_is_a_flag_everywhere(custom_project, monkeypatch,
+                                                                 capsys):
+    """`dropout` exists only in the task's Settings: a flag under torchrun, a key of --config
+    files under spawn, saved in config.json and in every checkpoint, and checked like any flag."""
     small = ["--no-progress", "--epochs", "1", "--batch-size", "16"]
     run = {"PYTHONPATH": str(custom_project)}
     ok(run_cmd([*torchrun_cmd(2), "train.py", *small, "--dropout", "0.3", "--output-dir", "a",
                 "--checkpoint-dir", "ca"], custom_project, **run))
     assert dropout_of_the_run(custom_project, "a", "ca") == 0.3
-    ok(run_cmd([sys.executable, "train.py", "--nprocs", "2", *small, "--dropout", "0.4",
-                "--output-dir", "b", "--checkpoint-dir", "cb"], custom_project, **run))
-    assert dropout_of_the_run(custom_project, "b", "cb") == 0.4
     (custom_project / "run.toml").write_text("dropout = 0.5\nhidden-size = 8\n")
-    ok(run_cmd([*torchrun_cmd(2), "train.py", *small, "--config", "run.toml", "--output-dir",
-                "c", "--checkpoint-dir", "cc"], custom_project, **run))
-    assert dropout_of_the_run(custom_project, "c", "cc") == 0.5
+    ok(run_cmd([sys.executable, "train.py", "--nprocs", "2", *small, "--config", "run.toml",
+                "--output-dir", "b", "--checkpoint-dir", "cb"], custom_project, **run))
+    assert dropout_of_the_run(custom_project, "b", "cb") == 0.5
     # A resumed run with another value says so.
     resumed = ok(run_cmd([*torchrun_cmd(2), "train.py", *small, "--epochs", "2", "--dropout",
                           "0.2", "--output-dir", "a", "--checkpoint-dir", "ca"], custom_project,
                          **run))
     assert "dropout: 0.3 -> 0.2" in resumed.stdout
-    # Wrong types get the same one-line errors as the project's flags.
-    bad = run_cmd([sys.executable, "train.py", "--dropout", "lots"], custom_project, **run)
-    assert bad.returncode == 2 and bad.stderr.strip() == (
-        "error: argument --dropout: invalid number value: 'lots' (python train.py --help lists "
-        "the flags)")
-    bad = run_cmd([sys.executable, "train.py", "--dropout", "-1"], custom_project, **run)
-    assert bad.returncode == 2 and "--dropout: must be a finite number at least 0, got -1" in \
-        bad.stderr
+    # Wrong types get the same one-line errors as the project's flags (argument parsing, here:
+    # what train.py does with them before anything starts).
+    settings = load_module(custom_project / "{{ cookiecutter.package_name }}/task.py").Settings
     (custom_project / "bad.toml").write_text('dropout = "high"\n')
-    bad = run_cmd([sys.executable, "train.py", "--config", "bad.toml"], custom_project, **run)
-    assert bad.returncode == 2 and "key 'dropout' must be a number" in bad.stderr
+    monkeypatch.chdir(custom_project)
+
+    def refused(*argv: str) -> str:
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(list(argv), settings)
+        assert exit_.value.code == 2
+        return capsys.readouterr().err.strip()
+
+    assert refused("--dropout", "lots") == ("error: argument --dropout: invalid number value: "
+                                             "'lots' (python train.py --help lists the flags)")
+    assert "--dropout: must be a finite number at least 0, got -1" in refused("--dropout", "-1")
+    assert "key 'dropout' must be a number" in refused("--config", "bad.toml")
