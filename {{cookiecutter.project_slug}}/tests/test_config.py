@@ -176,11 +176,13 @@ def test_the_scripts_read_relative_paths_from_where_they_ran(tmp_path, monkeypat
     each relative path given, --init-method's store file too, is read from the caller's folder;
     words and URLs stay as they are."""
     monkeypatch.chdir(tmp_path)
-    cfg = parse_args(["--init-method", "rdzv/store", "--output-dir", "runs", "--resume", "auto"],
-                     None, warn=False)
+    (tmp_path / "images").mkdir()  # --data is checked to exist
+    cfg = parse_args(["--init-method", "rdzv/store", "--output-dir", "runs", "--resume", "auto",
+                      "--data", "images"], None, warn=False)
     flags = absolute_paths(cfg)
     assert dict(zip(flags[::2], flags[1::2], strict=True)) == {
-        "--init-method": str(tmp_path / "rdzv/store"), "--output-dir": str(tmp_path / "runs")}
+        "--init-method": str(tmp_path / "rdzv/store"), "--output-dir": str(tmp_path / "runs"),
+        "--data": str(tmp_path / "images")}
     assert cfg.init_method == str(tmp_path / "rdzv/store")
     for method in ("env", "tcp", "file", "tcp://127.0.0.1:29500", "file:///x/store"):
         assert absolute_paths(parse_args(["--init-method", method], None, warn=False)) == []

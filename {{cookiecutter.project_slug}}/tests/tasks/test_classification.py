@@ -6,8 +6,8 @@ with your own task, replace these with tests of yours; every other test keeps wo
 
 from __future__ import annotations
 
-import json
 import os
+import shlex
 import struct
 import sys
 import zlib
@@ -28,6 +28,7 @@ from conftest import (
 from PIL import Image
 
 from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.doctor import preflight
 from {{ cookiecutter.package_name }}.failures import UsageError
 
 
@@ -85,17 +86,17 @@ def test_image_folder_is_decoded_one_image_at_a_time_by_worker_processes(workdir
     assert lines[1].startswith("images/class1/002.png: class1 (")
 
 
-@pytest.mark.full
-def test_the_local_script_reads_relative_paths_from_where_it_was_run(workdir):
-    """scripts/train_local.sh runs in the project's folder; `--data images` given in another one
-    (which has them, the project has not) is read from there."""
+def test_the_local_scripts_check_reads_the_images_from_where_it_was_run(workdir, monkeypatch):
+    """scripts/train_local.sh runs in the project's folder; its check before launching
+    (doctor.preflight) reads `--data images` from the folder it was run in, which has them (the
+    project has not), and hands the processes that folder's absolute path. (test_train runs the
+    script itself from another folder.)"""
     write_image_folder(workdir / "images", 8)
-    ok(run_cmd(["bash", str(PROJECT_ROOT / "scripts/train_local.sh"), "--data", "images",
-                "--epochs", "1", "--batch-size", "8", "--hidden-size", "8", "--no-progress",
-                "--output-dir", "runs", "--checkpoint-dir", "ck"], workdir, PYTHON=sys.executable))
-    assert summary(workdir / "runs")["epochs_completed"] == 1
-    given = json.loads((workdir / "runs/config.json").read_text())["data"]
-    assert Path(given).resolve() == (workdir / "images").resolve()
+    monkeypatch.chdir(PROJECT_ROOT)
+    launch = shlex.split(preflight(["--data", "images", "--epochs", "1"], caller=str(workdir)))
+    assert os.getcwd() == str(PROJECT_ROOT)
+    flags = dict(zip(launch[1::2], launch[2::2], strict=False))
+    assert Path(flags["--data"]) == (workdir / "images").resolve()
 
 
 def test_a_folder_without_class_folders_is_one_error_line(workdir):
