@@ -170,7 +170,8 @@ def test_bf16_autocast_learns_and_sync_bn_is_skipped_with_a_warning_on_cpu(workd
 
 
 def test_fp16_on_cpu_is_one_error_line(workdir):
-    line = one_error(torchrun([*QUICK, "--precision", "fp16"], workdir))
+    # One process: the line is the point (test_mistakes shows 2 ranks print a mistake once).
+    line = one_error(python_train([*QUICK, "--precision", "fp16"], workdir))
     assert line == ("error: --precision fp16 needs CUDA (it relies on a GradScaler); use "
                     "--precision bf16 on CPU")
 
