@@ -330,18 +330,23 @@ EVAL = ["--dataset-size", "512", "--batch-size", "16", "--hidden-size", "16", "-
 
 
 def test_evaluation_every_n_steps_the_best_checkpoint_an_early_stop_and_eval_only(workdir):
-    # The "best" by the largest validation loss: the first evaluation (step 4), kept beside the
-    # newest checkpoint whatever --keep-last says.
-    ok(torchrun([*EVAL, "--keep-best", "val_loss:max", "--keep-last", "1"], workdir))
+    # One run for the best checkpoint and the early stop (the same goal). The "best" by the
+    # largest validation loss: the first evaluation (step 4), kept beside the newest checkpoint
+    # whatever --keep-last says (step 8's is gone). Stop once the (largest) loss has not
+    # improved for 2 evaluations: at step 12.
+    result = ok(torchrun([*EVAL, "--keep-best", "val_loss:max", "--keep-last", "1",
+                          "--save-every-steps", "4", "--early-stop", "val_loss:max:2"], workdir))
+    assert "early stop: val_loss has not improved for 2 evaluation(s)" in result.stdout
     evals = read_metrics(workdir / "runs/latest", "val_loss")
-    assert [m["step"] for m in evals] == list(range(4, 65, 4))
+    assert [m["step"] for m in evals] == [4, 8, 12]
     # A log step's line is written one step later, unless an evaluation comes first: then first.
     lines = [(m["step"], "val_loss" in m) for m in read_metrics(workdir / "runs/latest", "step")]
     assert lines == sorted(lines), "each step's training line, then its evaluation's"
     done = summary(workdir / "runs/latest")
+    assert done["early_stopped"] and done["steps"] == 12 and done["checkpoint_saves"] == 3
     assert done["best"] == {"metric": "val_loss", "value": evals[0]["val_loss"], "step": 4}
     assert sorted(p.name for p in (workdir / "checkpoints").glob("ckpt_step*")) == [
-        ckpt_name(4), ckpt_name(64)]
+        ckpt_name(4), ckpt_name(12)]
     # The checkpoint evaluated alone: the same metrics, and nothing else changes.
     before = sorted((workdir / "checkpoints").iterdir())
     result = ok(torchrun([*EVAL, "--eval-only", "--resume", f"checkpoints/{ckpt_name(4)}",
@@ -351,12 +356,6 @@ def test_evaluation_every_n_steps_the_best_checkpoint_an_early_stop_and_eval_onl
     assert evaluated["step"] == 4 and evaluated["val_loss"] == evals[0]["val_loss"]
     assert sorted((workdir / "checkpoints").iterdir()) == before
     assert not (workdir / "evaluated/summary.json").exists()
-    # Stop once the (largest) loss has not improved for 2 evaluations: at step 12.
-    result = ok(torchrun([*EVAL, "--early-stop", "val_loss:max:2", "--checkpoint-dir", "es",
-                          "--output-dir", "es-runs"], workdir))
-    assert "early stop: val_loss has not improved for 2 evaluation(s)" in result.stdout
-    done = summary(workdir / "es-runs")
-    assert done["early_stopped"] and done["steps"] == 12
 
 
 def test_the_built_in_schedules_after_the_warm_up():
