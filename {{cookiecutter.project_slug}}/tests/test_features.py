@@ -1,15 +1,21 @@
-"""Training features, each run for real with 2 gloo processes: accumulation, schedule, exact
-evaluation, determinism, throughput and memory report, profiler, plots, torch.compile, doctor."""
+"""Training features, each run for real with 2 gloo processes (one where a single process is the
+reference or the point): accumulation, schedule, exact evaluation, determinism, throughput and
+memory report, profiler, plots, torch.compile, doctor. Runs several tests check are shared
+through module fixtures."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import (
+    LAUNCHER_VARS,
     PROJECT_ROOT,
     assert_same_model,
     ckpt_name,
@@ -19,6 +25,7 @@ from conftest import (
     python_train,
     read_metrics,
     run_cmd,
+    skip_unless_example_task,
     summary,
     torchrun,
     torchrun_cmd,
@@ -28,6 +35,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT, parse_args
 from {{ cookiecutter.package_name }}.data import BatchFetcher, validation_batches
+from {{ cookiecutter.package_name }}.doctor import main as doctor_main
 from {{ cookiecutter.package_name }}.main import work
 from {{ cookiecutter.package_name }}.runtime.environments import World, find_free_port
 from {{ cookiecutter.package_name }}.runtime.launch import run
@@ -42,7 +50,8 @@ def test_grad_accumulation_equals_one_larger_batch(workdir):
     common = [*SMALL, "--dataset-size", "500", "--epochs", "1", "--val-fraction", "0"]
     ok(torchrun([*common, "--batch-size", "8", "--grad-accum", "4", "--checkpoint-dir", "accum"],
                 workdir))
-    ok(torchrun([*common, "--batch-size", "32", "--checkpoint-dir", "big"], workdir))
+    # The larger batch on one process: the same 64 samples a step (data.py).
+    ok(python_train([*common, "--batch-size", "64", "--checkpoint-dir", "big"], workdir))
     accumulated, big = final_model(workdir / "accum"), final_model(workdir / "big")
     # The same model: the same loss on a batch, and the same weights but those whose gradient is
     # zero in exact arithmetic (an attention key's bias: softmax ignores a shift), whose rounding
@@ -92,49 +101,79 @@ def test_grad_accumulation_exchanges_gradients_once_per_group(tmp_path, monkeypa
     assert calls_1 == 4 * calls_4 and calls_4 % steps_4 == 0  # one exchange a step
 
 
+# 111 validation samples: odd, where DistributedSampler would pad with a duplicate. 16 steps an
+# epoch (1,000 training samples, 2 ranks, batches of 32), 32 in all.
+EVAL_SET = [*SMALL, "--dataset-size", "1000", "--val-fraction", "0.111", "--epochs", "2"]
+DDP_OPTIONS = [] if DEFAULT_MODEL_LAYOUT == "fsdp" else [
+    "--bucket-cap-mb", "0.002", "--static-graph", "--no-gradient-as-bucket-view"]
+POWERSGD = ["--comm-hook", "powersgd", "--powersgd-warmup-steps", "4", "--powersgd-rank", "4",
+            "--bucket-cap-mb", "0.002"]
+
+
+def train_in(folder: Path, name: str, *flags: str) -> subprocess.CompletedProcess:
+    """A 2-rank run of EVAL_SET (and `flags`) with checkpoints in `name`, outputs in r-`name`."""
+    return ok(torchrun([*EVAL_SET, *flags, "--checkpoint-dir", name, "--output-dir", f"r-{name}"],
+                       folder))
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Path:
+    """Runs several tests check: the default run (DDP options, distributed evaluation), the
+    same with the DDP options that must keep its bits and the throughput report and profiler
+    (these only watch), and PowerSGD (the hooks' closeness; its resumes)."""
+    skip_unless_example_task()
+    folder = tmp_path_factory.mktemp("features")
+    train_in(folder, "default")
+    result = train_in(folder, "options", *DDP_OPTIONS, "--step-times", "steps.json",
+                      "--profile-steps", "2:4")
+    (folder / "options.out").write_text(result.stdout)
+    if DDP_OPTIONS:
+        train_in(folder, "powersgd", *POWERSGD)
+    return folder
+
+
 @pytest.mark.skipif(DEFAULT_MODEL_LAYOUT == "fsdp", reason="fsdp does not use DDP")
-def test_ddp_options_give_the_default_result_and_hooks_stay_close(workdir):
+def test_ddp_options_give_the_default_result_and_hooks_stay_close(shared):
     """Bucket size, static graph and gradients as bucket views change how DDP exchanges the
-    gradients, not what it computes: bit for bit the default's weights. The comm hooks change the
+    gradients, not what it computes: bit for bit the default's weights (one run with all three,
+    and the throughput report and profiler, which only watch). The comm hooks change the
     numbers: fp16 and bf16 within 1 % of the default's validation loss, PowerSGD (rank 4 from
     step 4, several buckets) within 5 %; and each of them really ran (other weights)."""
-    common = [*SMALL, "--dataset-size", "1024", "--epochs", "2"]
+    def result(name: str) -> tuple[dict, float]:
+        return final_model(shared / name), summary(shared / f"r-{name}")["val_loss"]
 
-    def train(name: str, *flags: str) -> tuple[dict, float]:
-        ok(torchrun([*common, *flags, "--checkpoint-dir", name, "--output-dir", f"r-{name}"],
-                    workdir))
-        return final_model(workdir / name), summary(workdir / f"r-{name}")["val_loss"]
-
-    default, default_loss = train("default")
-    assert_same_model(default, train("buckets", "--bucket-cap-mb", "0.002", "--static-graph",
-                                     "--no-gradient-as-bucket-view")[0])
+    default, default_loss = result("default")
+    assert_same_model(default, result("options")[0])
     for hook, tolerance in {"fp16": 0.01, "bf16": 0.01, "powersgd": 0.05}.items():
-        model, loss = train(hook, "--comm-hook", hook, "--powersgd-warmup-steps", "4",
-                            "--powersgd-rank", "4", "--bucket-cap-mb", "0.002")
+        if hook != "powersgd":
+            train_in(shared, hook, "--comm-hook", hook, "--bucket-cap-mb", "0.002")
+        model, loss = result(hook)
         assert not all(torch.equal(model[k], default[k]) for k in default), hook
         assert loss == pytest.approx(default_loss, rel=tolerance), hook
 
 
 @pytest.mark.skipif(DEFAULT_MODEL_LAYOUT == "fsdp", reason="fsdp does not use DDP")
-def test_powersgd_resumes_with_other_buckets_or_another_rank(workdir):
+def test_powersgd_resumes_with_other_buckets_or_another_rank(shared, tmp_path):
     """Resumed with bigger buckets (the saved ones merge) or another --powersgd-rank (the
     factors change shape), PowerSGD goes on: its state is fitted to the new buckets, and new
-    factors start where the old ones do not fit (a note says so)."""
-    hook = [*SMALL, "--dataset-size", "512", "--epochs", "3", "--comm-hook", "powersgd",
-            "--powersgd-warmup-steps", "3", "--log-every", "1000"]
-    ok(torchrun([*hook, "--bucket-cap-mb", "0.002", "--max-steps", "8"], workdir))
-    result = ok(torchrun([*hook, "--max-steps", "16"], workdir))
+    factors start where the old ones do not fit (a note says so). It resumes the DDP options
+    test's PowerSGD run (several buckets, rank 4), at step 32."""
+    shutil.copytree(shared / "powersgd", tmp_path / "checkpoints")
+    hook = [*EVAL_SET, "--epochs", "3", *POWERSGD[:-2], "--log-every", "1000"]
+    result = ok(torchrun([*hook, "--max-steps", "34"], tmp_path))
     assert "resumed from" in result.stdout and "note: PowerSGD" not in result.stdout
-    result = ok(torchrun([*hook, "--powersgd-rank", "2", "--max-steps", "24"], workdir))
+    result = ok(torchrun([*hook, "--powersgd-rank", "2", "--max-steps", "40"], tmp_path))
     assert ("note: PowerSGD keeps its error feedback and starts new factors: the checkpoint "
-            "used --powersgd-rank 1") in result.stdout
-    assert summary(workdir / "runs/latest")["steps"] == 24
+            "used --powersgd-rank 4") in result.stdout
+    assert summary(tmp_path / "runs/latest")["steps"] == 40
 
 
 def test_warmup_cosine_schedule_clipping_and_weight_decay(workdir):
-    ok(torchrun([*SMALL, "--dataset-size", "512", "--batch-size", "16", "--epochs", "2", "--lr",
-                 "0.01", "--lr-schedule", "cosine", "--warmup-steps", "8", "--clip-grad", "0.5",
-                 "--weight-decay", "0.05", "--log-every", "1"], workdir))
+    # One process (the schedule is per step, whatever the world): 32 steps of 16 samples.
+    ok(python_train([*SMALL, "--dataset-size", "512", "--batch-size", "16", "--epochs", "1",
+                     "--lr", "0.01", "--lr-schedule", "cosine", "--warmup-steps", "8",
+                     "--clip-grad", "0.5", "--weight-decay", "0.05", "--log-every", "1"],
+                    workdir))
     lrs = [m["lr"] for m in read_metrics(workdir / "runs/latest")]
     assert len(lrs) == 32
     assert lrs[:8] == sorted(lrs[:8]) and lrs[7] == pytest.approx(0.01)  # warm-up to the peak
@@ -144,18 +183,15 @@ def test_warmup_cosine_schedule_clipping_and_weight_decay(workdir):
     assert state["optim"]["scheduler"]["last_epoch"] == 32 and state["config"]["clip_grad"] == 0.5
 
 
-def test_distributed_evaluation_equals_the_single_process_value(workdir):
-    # 111 validation samples: odd, where DistributedSampler would pad with a duplicate.
-    args = [*SMALL, "--dataset-size", "1000", "--val-fraction", "0.111", "--epochs", "2"]
-    ok(torchrun(args, workdir))
-    evals = read_metrics(workdir / "runs/latest", "val_loss")
+def test_distributed_evaluation_equals_the_single_process_value(shared):
+    evals = read_metrics(shared / "r-default", "val_loss")
     assert [e["epoch"] for e in evals] == [0, 1]
-    reported = summary(workdir / "runs/latest")
-    cfg = parse_args(args, task.Settings)
+    reported = summary(shared / "r-default")
+    cfg = parse_args(EVAL_SET, task.Settings)
     _, val = task.build_datasets(cfg)
     assert len(val) == 111
     model = task.build_model(cfg)
-    model.load_state_dict(final_model(workdir / "checkpoints"))
+    model.load_state_dict(final_model(shared / "default"))
     model.eval()
     fetcher = BatchFetcher(val, getattr(task, "collate", None))
     sums: dict[str, float] = {}
@@ -169,41 +205,52 @@ def test_distributed_evaluation_equals_the_single_process_value(workdir):
             assert reported[f"val_{key}"] == pytest.approx(sums[key] / count, rel=1e-5), key
 
 
-def test_another_seed_gives_another_model(workdir):
-    """--seed reaches the model and the data workers. (The same seed gives the same model bit for
-    bit: every killed-and-resumed run in test_recovery.py ends with its uninterrupted run's weights,
-    with data workers in test_per_sample_workers_with_random_augmentation_resume_bit_for_bit.)"""
-    args = [*SMALL, "--dataset-size", "256", "--epochs", "2", "--deterministic", "--num-workers",
-            "1", "--seed", "7"]
-    ok(torchrun([*args, "--checkpoint-dir", "a"], workdir))
-    ok(torchrun([*args[:-1], "8", "--checkpoint-dir", "c"], workdir))
-    a, c = (final_model(workdir / d) for d in "ac")
+SEEDED = [*SMALL, "--dataset-size", "256", "--epochs", "2", "--deterministic", "--num-workers",
+          "1", "--log-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def seed_7(tmp_path_factory) -> Path:
+    """One process with a data worker and --seed 7: the seed test's first model, the plot test's
+    metrics."""
+    skip_unless_example_task()
+    folder = tmp_path_factory.mktemp("seed")
+    ok(python_train([*SEEDED, "--seed", "7", "--checkpoint-dir", "a"], folder))
+    return folder
+
+
+def test_another_seed_gives_another_model(seed_7, tmp_path):
+    """--seed reaches the model and the data workers (one process: a rank's seeding is the same
+    at any world size). (The same seed gives the same model bit for bit: every
+    killed-and-resumed run in test_recovery.py ends with its uninterrupted run's weights, with
+    data workers in test_per_sample_workers_with_random_augmentation_resume_bit_for_bit.)"""
+    ok(python_train([*SEEDED, "--seed", "8", "--checkpoint-dir", "c"], tmp_path))
+    a, c = final_model(seed_7 / "a"), final_model(tmp_path / "c")
     assert not all(torch.equal(a[k], c[k]) for k in a), "another seed gave the same model"
 
 
-def test_throughput_memory_step_times_and_a_profile(workdir):
-    result = ok(torchrun([*SMALL, "--dataset-size", "512", "--epochs", "1", "--step-times",
-                          "steps.json", "--profile-steps", "2:4"], workdir))
-    report = summary(workdir / "runs/latest")
+def test_throughput_memory_step_times_and_a_profile(shared):
+    """Reads the DDP options test's second run (it has --step-times and --profile-steps)."""
+    stdout = (shared / "options.out").read_text()
+    report = summary(shared / "r-options")
     assert report["samples_per_s"] > 0 and 0 < report["median_step_ms"] <= report["p90_step_ms"]
     assert report["checkpoint_stall_ms"] > 0 and len(report["peak_mem_mb"]) == 2
-    steps = json.loads((workdir / "steps.json").read_text())
-    assert len(steps["step_ends"]) == 8 and steps["started_at"] < steps["step_ends"][0]
+    steps = json.loads((shared / "steps.json").read_text())
+    assert len(steps["step_ends"]) == 32 and steps["started_at"] < steps["step_ends"][0]
     assert 0 < report["time_to_first_step_s"] < report["wall_time_s"] + 60
-    assert result.stdout.count("throughput:") == 1
+    assert stdout.count("throughput:") == 1
     # The profiler: a trace of steps 2-4 on rank 0 only, with shapes.
-    traces = list((workdir / "runs/latest/profile").glob("*.pt.trace.json"))
-    assert len(traces) == 1 and result.stdout.count("profile of steps 2-4") == 1
+    traces = list((shared / "r-options/profile").glob("*.pt.trace.json"))
+    assert len(traces) == 1 and stdout.count("profile of steps 2-4") == 1
     trace = json.loads(traces[0].read_text())
     names = {event.get("name", "") for event in trace["traceEvents"]}
     assert any("ProfilerStep" in n or "aten::" in n for n in names)
     assert any(event.get("args", {}).get("Input Dims") for event in trace["traceEvents"])
 
 
-def test_plot_metrics_script(workdir):
+def test_plot_metrics_script(seed_7):
     pytest.importorskip("matplotlib")
-    ok(python_train([*SMALL, "--dataset-size", "256", "--epochs", "3", "--log-every", "2"],
-                    workdir))
+    workdir = seed_7  # the seed test's first run: 16 steps, a log line every 2
     out = workdir / "loss.png"
     result = ok(run_cmd([sys.executable, str(PROJECT_ROOT / "scripts/plot_metrics.py"),
                          str(workdir / "runs/latest/metrics.jsonl"), "-o", str(out)], workdir))
@@ -226,11 +273,6 @@ def test_compile_trains(workdir):
 DOCTOR = [sys.executable, "-m", "{{ cookiecutter.package_name }}.doctor"]
 
 
-def test_doctor_one_process(workdir):
-    result = ok(run_cmd(DOCTOR, PROJECT_ROOT))
-    assert "launcher none" in result.stdout
-    assert "OK: all_reduce and barrier across 1" in result.stdout
-    assert "torch " in result.stdout and "GB/s" in result.stdout
 
 
 def test_doctor_under_torchrun(workdir):
@@ -250,18 +292,37 @@ def test_doctor_explains_a_mismatched_world(workdir):
     assert "waiting for the other 1 rank(s) to join" in result.stderr
 
 
-def test_doctor_prints_the_world_even_when_a_check_fails(workdir):
-    result = run_cmd(DOCTOR, PROJECT_ROOT, SLURM_PROCID="3", SLURM_NTASKS="2", SLURM_STEP_ID="0",
-                     SLURM_JOB_ID="5")
-    assert result.returncode == 1 and "resolved: launcher slurm, rank 3" in result.stdout
-    assert "FAIL: SLURM (SLURM_PROCID/SLURM_NTASKS): rank 3 is outside a world" in result.stderr
+def doctor_here(argv: list[str], monkeypatch, capsys, **env: str) -> tuple[int, str, str]:
+    """The doctor in this process (no new Python to import torch; one process, or a check that
+    fails before it joins a process group): its exit code, stdout and stderr."""
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = doctor_main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
-def test_doctor_explains_nccl_without_gpus(workdir):
+def test_doctor_one_process(workdir, monkeypatch, capsys):
+    code, out, _ = doctor_here([], monkeypatch, capsys)
+    assert code == 0 and "launcher none" in out
+    assert "OK: all_reduce and barrier across 1" in out
+    assert "torch " in out and "GB/s" in out
+
+
+def test_doctor_prints_the_world_even_when_a_check_fails(workdir, monkeypatch, capsys):
+    code, out, err = doctor_here([], monkeypatch, capsys, SLURM_PROCID="3", SLURM_NTASKS="2",
+                                 SLURM_STEP_ID="0", SLURM_JOB_ID="5")
+    assert code == 1 and "resolved: launcher slurm, rank 3" in out
+    assert "FAIL: SLURM (SLURM_PROCID/SLURM_NTASKS): rank 3 is outside a world" in err
+
+
+def test_doctor_explains_nccl_without_gpus(workdir, monkeypatch, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
-    result = run_cmd([*DOCTOR, "--backend", "nccl"], PROJECT_ROOT)
-    assert result.returncode == 1 and "FAIL: backend nccl" in result.stderr
+    code, _, err = doctor_here(["--backend", "nccl"], monkeypatch, capsys)
+    assert code == 1 and "FAIL: backend nccl" in err
 
 
 EVAL = ["--dataset-size", "512", "--batch-size", "16", "--hidden-size", "16", "--epochs", "4",
@@ -269,18 +330,23 @@ EVAL = ["--dataset-size", "512", "--batch-size", "16", "--hidden-size", "16", "-
 
 
 def test_evaluation_every_n_steps_the_best_checkpoint_an_early_stop_and_eval_only(workdir):
-    # The "best" by the largest validation loss: the first evaluation (step 4), kept beside the
-    # newest checkpoint whatever --keep-last says.
-    ok(torchrun([*EVAL, "--keep-best", "val_loss:max", "--keep-last", "1"], workdir))
+    # One run for the best checkpoint and the early stop (the same goal). The "best" by the
+    # largest validation loss: the first evaluation (step 4), kept beside the newest checkpoint
+    # whatever --keep-last says (step 8's is gone). Stop once the (largest) loss has not
+    # improved for 2 evaluations: at step 12.
+    result = ok(torchrun([*EVAL, "--keep-best", "val_loss:max", "--keep-last", "1",
+                          "--save-every-steps", "4", "--early-stop", "val_loss:max:2"], workdir))
+    assert "early stop: val_loss has not improved for 2 evaluation(s)" in result.stdout
     evals = read_metrics(workdir / "runs/latest", "val_loss")
-    assert [m["step"] for m in evals] == list(range(4, 65, 4))
+    assert [m["step"] for m in evals] == [4, 8, 12]
     # A log step's line is written one step later, unless an evaluation comes first: then first.
     lines = [(m["step"], "val_loss" in m) for m in read_metrics(workdir / "runs/latest", "step")]
     assert lines == sorted(lines), "each step's training line, then its evaluation's"
     done = summary(workdir / "runs/latest")
+    assert done["early_stopped"] and done["steps"] == 12 and done["checkpoint_saves"] == 3
     assert done["best"] == {"metric": "val_loss", "value": evals[0]["val_loss"], "step": 4}
     assert sorted(p.name for p in (workdir / "checkpoints").glob("ckpt_step*")) == [
-        ckpt_name(4), ckpt_name(64)]
+        ckpt_name(4), ckpt_name(12)]
     # The checkpoint evaluated alone: the same metrics, and nothing else changes.
     before = sorted((workdir / "checkpoints").iterdir())
     result = ok(torchrun([*EVAL, "--eval-only", "--resume", f"checkpoints/{ckpt_name(4)}",
@@ -290,12 +356,6 @@ def test_evaluation_every_n_steps_the_best_checkpoint_an_early_stop_and_eval_onl
     assert evaluated["step"] == 4 and evaluated["val_loss"] == evals[0]["val_loss"]
     assert sorted((workdir / "checkpoints").iterdir()) == before
     assert not (workdir / "evaluated/summary.json").exists()
-    # Stop once the (largest) loss has not improved for 2 evaluations: at step 12.
-    result = ok(torchrun([*EVAL, "--early-stop", "val_loss:max:2", "--checkpoint-dir", "es",
-                          "--output-dir", "es-runs"], workdir))
-    assert "early stop: val_loss has not improved for 2 evaluation(s)" in result.stdout
-    done = summary(workdir / "es-runs")
-    assert done["early_stopped"] and done["steps"] == 12
 
 
 def test_the_built_in_schedules_after_the_warm_up():

@@ -17,6 +17,7 @@ from conftest import (
     kill_a_worker_once_saved,
     needs_numpy,
     ok,
+    python_train,
     read_metrics,
     run_cmd,
     skip_unless_example_task,
@@ -44,13 +45,39 @@ def test_the_default_shard_group_is_one_node():
         shard_group_size(3, 4, 4)
 
 
+# train.py that also writes each parameter's full shape, this rank's shard and the mesh.
+WITH_SHARDS = """
+import json
+import torch.distributed as dist
+import {{ cookiecutter.package_name }}.main as entry
+from {{ cookiecutter.package_name }}.main import exit_process, main
+
+original = entry.parallelize
+
+def parallelize(*args, **kwargs):
+    model = original(*args, **kwargs)
+    shards = {name: [list(p.shape), list(p.to_local().shape), list(p.device_mesh.shape)]
+              for name, p in model.named_parameters()}
+    # A file each: four processes' lines on one pipe can run into each other.
+    with open(f"rank{dist.get_rank()}.json", "w") as out:
+        json.dump(shards, out)
+    return model
+
+entry.parallelize = parallelize
+exit_process(main())
+"""
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
-    """An HSDP run (2 x 2) that was never interrupted."""
+    """An HSDP run (2 x 2, 4 epochs) that was never interrupted, started through WITH_SHARDS:
+    one launch for the training tests and the shard test."""
     skip_unless_example_task()
     folder = tmp_path_factory.mktemp("hsdp")
-    result = ok(torchrun([*HSDP, "--checkpoint-dir", "a", "--output-dir", "runs/a"], folder,
-                         nproc=4))
+    script = folder / "with_shards.py"
+    script.write_text(WITH_SHARDS)
+    result = ok(run_cmd([*torchrun_cmd(4), str(script), "--no-progress", *HSDP, "--epochs", "4",
+                         "--checkpoint-dir", "a", "--output-dir", "runs/a"], folder))
     assert "fsdp: 2 replica group(s) of 2 rank(s) (HSDP)" in result.stdout
     return folder
 
@@ -58,49 +85,28 @@ def uninterrupted(tmp_path_factory) -> Path:
 @pytest.mark.full
 @needs_numpy
 def test_hsdp_trains_as_fsdp_and_data_parallel_do(uninterrupted, example_task):
-    """Same data, seed and global batch: only the order of the reductions differs."""
+    """Same data, seed and global batch: only the order of the reductions differs. The
+    data_parallel reference is one process with the global batch (a batch is the same samples
+    at any world size with the same global batch: data.py)."""
     curves = {"hsdp": read_metrics(uninterrupted / "runs/a")}
+    four = [*FLAGS, "--epochs", "4"]
+    ok(torchrun([*four, "--model-layout", "fsdp", "--output-dir", "runs/fsdp",
+                 "--checkpoint-dir", "fsdp"], uninterrupted, nproc=4))
+    ok(python_train([*four, "--batch-size", "64", "--model-layout", "data_parallel",
+                     "--output-dir", "runs/data_parallel", "--checkpoint-dir", "data_parallel"],
+                    uninterrupted))
     for layout in ("fsdp", "data_parallel"):
-        ok(torchrun([*FLAGS, "--model-layout", layout, "--output-dir", f"runs/{layout}",
-                     "--checkpoint-dir", layout], uninterrupted, nproc=4))
         curves[layout] = read_metrics(uninterrupted / f"runs/{layout}")
-    for layout in ("fsdp", "data_parallel"):
         assert [r["step"] for r in curves[layout]] == [r["step"] for r in curves["hsdp"]]
         for mine, theirs in zip(curves["hsdp"], curves[layout], strict=True):
             assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-4), (layout, mine)
 
 
-SHARDS = """
-import json, sys
-import torch
-import torch.distributed as dist
-from {{ cookiecutter.package_name }} import task
-from {{ cookiecutter.package_name }}.config import parse_args
-from {{ cookiecutter.package_name }}.parallel import parallelize
-from {{ cookiecutter.package_name }}.runtime.workarounds import exit_process
-
-dist.init_process_group("gloo")
-cfg = parse_args(["--hidden-size", "16", "--model-layout", "fsdp", "--shard-group-size", "2"],
-                 task.Settings)
-model = parallelize(task.build_model(cfg), cfg, [torch.device("cpu")], task, False)
-shards = {name: [list(p.shape), list(p.to_local().shape), list(p.device_mesh.shape)]
-          for name, p in model.named_parameters()}
-# A file each: four processes' lines on one pipe can run into each other.
-with open(f"rank{dist.get_rank()}.json", "w") as out:
-    json.dump(shards, out)
-dist.destroy_process_group()
-exit_process(0)  # not the interpreter's own exit, which can abort (see workarounds.py)
-"""
-
-
 @pytest.mark.full
 @needs_numpy
-def test_each_rank_holds_half_of_each_parameter(workdir):
-    script = workdir / "shards.py"
-    script.write_text(SHARDS)
-    ok(run_cmd([*torchrun_cmd(4), str(script)], workdir))
+def test_each_rank_holds_half_of_each_parameter(uninterrupted, example_task):
     for rank in range(4):
-        shards = json.loads((workdir / f"rank{rank}.json").read_text())
+        shards = json.loads((uninterrupted / f"rank{rank}.json").read_text())
         for name, (full, local, mesh) in shards.items():
             assert mesh == [2, 2], name  # 2 replica groups x 2 shards
             # FSDP2 cuts dim 0 in equal chunks; the last rank's may be short (or empty).
@@ -112,14 +118,11 @@ def test_each_rank_holds_half_of_each_parameter(workdir):
 @needs_numpy
 def test_a_killed_hsdp_run_resumes_bit_for_bit(uninterrupted, example_task):
     workdir = uninterrupted
-    kill_a_worker_once_saved([*torchrun_cmd(4), TRAIN, "--no-progress", *HSDP, "--checkpoint-dir",
-                              "b", "--output-dir", "runs/b", "--epochs", "4"], workdir,
-                              workdir / "b", 8, worker=3)
+    b = [*HSDP, "--checkpoint-dir", "b", "--output-dir", "runs/b", "--epochs", "4"]
+    kill_a_worker_once_saved([*torchrun_cmd(4), TRAIN, "--no-progress", *b], workdir,
+                             workdir / "b", 8, worker=3)
     assert max(read_meta(p)["step"] for p in list_checkpoints(workdir / "b")) < 32, "too late"
-    ok(torchrun([*HSDP, "--checkpoint-dir", "b", "--output-dir", "runs/b", "--epochs", "4"],
-                workdir, nproc=4))
-    ok(torchrun([*HSDP, "--checkpoint-dir", "a", "--output-dir", "runs/a", "--epochs", "4"],
-                workdir, nproc=4))  # the uninterrupted run goes on to the same length
+    ok(torchrun(b, workdir, nproc=4))
     assert_same_model(final_model(workdir / "a"), final_model(workdir / "b"))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,8 +22,10 @@ from conftest import (
     needs_numpy,
     ok,
     one_error,
+    python_train,
     read_metrics,
     run_cmd,
+    skip_unless_example_task,
     summary,
     torchrun,
     torchrun_cmd,
@@ -150,30 +153,31 @@ def test_a_model_model_parallel_2_cannot_split_is_one_error_line(workdir):
     assert "model_parallel_2 needs to know where to split OneLayer: define blocks(model)" in line
 
 
-def test_bf16_autocast_on_cpu_learns(workdir):
-    ok(torchrun([*QUICK, "--epochs", "2", "--precision", "bf16"], workdir))
+def test_bf16_autocast_learns_and_sync_bn_is_skipped_with_a_warning_on_cpu(workdir):
+    """One run for both options (they touch different things): bf16 autocast learns, and
+    --sync-bn warns once and keeps the BatchNorm's running statistics."""
+    norm = "batch_norm" in task.Settings.__dataclass_fields__
+    sync_bn = ["--batch-norm", "--sync-bn"] if norm else []
+    result = ok(torchrun([*QUICK, "--epochs", "2", "--precision", "bf16", *sync_bn,
+                          "--model-layout", "data_parallel"], workdir))
     losses = [m["loss"] for m in read_metrics(workdir / "runs/latest")]
     assert losses[-1] < losses[0]
+    if not norm:
+        pytest.skip("task.py has no --batch-norm setting (bf16 checked)")
+    assert result.stderr.count("warning: --sync-bn needs CUDA") == 1
+    state = torch.load(workdir / "checkpoints/ckpt_step00000016.pt", weights_only=True)
+    assert any(key.endswith("running_mean") for key in state["model"])
 
 
 def test_fp16_on_cpu_is_one_error_line(workdir):
-    line = one_error(torchrun([*QUICK, "--precision", "fp16"], workdir))
+    # One process: the line is the point (test_mistakes shows 2 ranks print a mistake once).
+    line = one_error(python_train([*QUICK, "--precision", "fp16"], workdir))
     assert line == ("error: --precision fp16 needs CUDA (it relies on a GradScaler); use "
                     "--precision bf16 on CPU")
 
 
-def test_sync_bn_is_skipped_with_a_warning_on_cpu(workdir):
-    if "batch_norm" not in task.Settings.__dataclass_fields__:
-        pytest.skip("task.py has no --batch-norm setting")
-    result = ok(torchrun([*QUICK, "--epochs", "1", "--batch-norm", "--sync-bn", "--model-layout",
-                          "data_parallel"], workdir))
-    assert result.stderr.count("warning: --sync-bn needs CUDA") == 1
-    state = torch.load(workdir / "checkpoints/ckpt_step00000008.pt", weights_only=True)
-    assert any(key.endswith("running_mean") for key in state["model"])
-
-
 MEMORY = """
-import sys, torch, torch.distributed as dist
+import torch, torch.distributed as dist
 import {{ cookiecutter.package_name }}.task as task
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.data import BatchFetcher
@@ -183,23 +187,28 @@ from {{ cookiecutter.package_name }}.runtime.workarounds import exit_process
 def local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
+def state_bytes(layout):
+    # This rank's parameters, gradients and AdamW state (local shards) after a step, in bytes.
+    cfg = parse_args(["--hidden-size", "64", "--model-layout", layout], task.Settings)
+    torch.manual_seed(0)
+    model = parallelize(task.build_model(cfg), cfg, [torch.device("cpu")], task, True)
+    optimizer = torch.optim.AdamW(model.parameters())
+    task.loss_fn(model, batch).backward()
+    optimizer.step()
+    total = sum(local(p).numel() * p.element_size() for p in model.parameters())
+    total += sum(local(p.grad).numel() * p.element_size() for p in model.parameters())
+    return total + sum(local(v).numel() * v.element_size() for s in optimizer.state.values()
+                       for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+
 dist.init_process_group("gloo")
-cfg = parse_args(["--hidden-size", "64", "--model-layout", sys.argv[1]], task.Settings)
-torch.manual_seed(0)
-model = parallelize(task.build_model(cfg), cfg, [torch.device("cpu")], task, True)
-optimizer = torch.optim.AdamW(model.parameters())
 train_set, _ = task.build_datasets(parse_args(["--dataset-size", "16", "--val-fraction", "0"],
                                               task.Settings))
 batch = BatchFetcher(train_set, getattr(task, "collate", None)).__getitems__((0, torch.arange(8)))
-task.loss_fn(model, batch).backward()
-optimizer.step()
-# This rank's parameters, gradients and optimizer state (local shards), in bytes.
-total = sum(local(p).numel() * p.element_size() for p in model.parameters())
-total += sum(local(p.grad).numel() * p.element_size() for p in model.parameters())
-total += sum(local(v).numel() * v.element_size() for s in optimizer.state.values()
-             for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
-if dist.get_rank() == 0:
-    print("bytes", total, flush=True)
+# Both layouts in the same two processes: one launch instead of two.
+for layout in ("data_parallel", "fsdp"):
+    total = state_bytes(layout)
+    if dist.get_rank() == 0:
+        print(layout, "bytes", total, flush=True)
 dist.destroy_process_group()
 exit_process(0)  # not the interpreter's own exit, which can abort (see workarounds.py)
 """
@@ -209,75 +218,89 @@ exit_process(0)  # not the interpreter's own exit, which can abort (see workarou
 def test_fsdp_keeps_about_half_the_state_per_rank_at_two_ranks(workdir):
     script = workdir / "memory.py"
     script.write_text(MEMORY)
-    sizes = {}
-    for layout in ("data_parallel", "fsdp"):
-        out = ok(run_cmd([*torchrun_cmd(2), str(script), layout], workdir)).stdout
-        sizes[layout] = int(out.split("bytes")[1].split()[0])
+    out = ok(run_cmd([*torchrun_cmd(2), str(script)], workdir)).stdout
+    sizes = {layout: int(out.split(f"{layout} bytes")[1].split()[0])
+             for layout in ("data_parallel", "fsdp")}
     ratio = sizes["fsdp"] / sizes["data_parallel"]
     print(f"parameters + gradients + AdamW state per rank: DDP {sizes['data_parallel']} B, "
           f"FSDP {sizes['fsdp']} B, ratio {ratio:.3f}")
     assert 0.45 < ratio < 0.6
 
 
-FSDP = [*QUICK, "--model-layout", "fsdp", "--save-every-steps", "4"]
+# 24 steps, a checkpoint every 2 (the async-save test's cadence), --keep-last 3: 20, 22, 24.
+FSDP = [*QUICK, "--model-layout", "fsdp", "--save-every-steps", "2", "--epochs", "3",
+        "--log-every", "1000"]
+KILLABLE = sys.platform.startswith("linux")  # finds the workers through /proc
 
 
-@needs_numpy
-def test_fsdp_trains_saves_sharded_and_resumes_on_one_and_two_ranks(workdir):
-    ok(torchrun([*FSDP, "--epochs", "2", "--checkpoint-dir", "a"], workdir))  # uninterrupted
-    done = summary(workdir / "runs/latest")
-    assert done["model_layout"] == "fsdp" and done["steps"] == 16
-    newest = workdir / "a/ckpt_step00000016"
-    assert newest.is_dir() and (newest / ".metadata").is_file() and (newest / "meta.json").is_file()
-    assert len(list(newest.glob("*.distcp"))) == 2, "each rank wrote its own shards"
-
-    # b checkpoints activations, and resumes: the uninterrupted run's weights, bit for bit.
-    b = [*FSDP, "--epochs", "2", "--checkpoint-dir", "b", "--activation-checkpointing"]
-    ok(torchrun([*b, "--max-steps", "6"], workdir))
-    ok(torchrun(b, workdir))  # same world: exact
-    assert_same_model(final_model(workdir / "a"), final_model(workdir / "b"))
-
-    # On one process the shards are re-cut, and training goes on.
-    ok(torchrun([*FSDP, "--epochs", "3", "--checkpoint-dir", "a"], workdir, nproc=1))
-    assert summary(workdir / "runs/latest")["resumed_from"].endswith("ckpt_step00000016")
-
-    # A shard cut short (a copy that stopped half-way): one line that names the checkpoint.
-    newest = max((workdir / "a").glob("ckpt_step*"))
-    shard = max(newest.glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
-    line = one_error(torchrun([*FSDP, "--epochs", "4", "--checkpoint-dir", "a", "--resume",
-                               str(newest)], workdir, nproc=1))
-    assert f"cannot load checkpoint {newest}" in line and "--resume never" in line, line
-
-
-@needs_numpy
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
-def test_fsdp_worker_killed_mid_run_restarts_and_ends_bit_for_bit(workdir):
-    args = [*FSDP, "--epochs", "3", "--log-every", "1000"]
-    ok(torchrun([*args, "--checkpoint-dir", "a"], workdir))  # never interrupted
-    job = subprocess.Popen([*torchrun_cmd(2, "--max-restarts=1"), TRAIN, "--no-progress",
-                            *args, "--checkpoint-dir", "b"], cwd=workdir, env=child_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while not list((workdir / "b").glob("ckpt_step0000001*")):  # mid-run, mid-epoch: step 12
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """Two fsdp runs shared by the fsdp tests: a, never interrupted, and b, the same run with
+    --activation-checkpointing whose worker is SIGKILLed mid-run, mid-epoch (step 10 or later)
+    and restarted by torchrun (where /proc is missing: stopped at step 6 and resumed)."""
+    skip_unless_example_task()
+    folder = tmp_path_factory.mktemp("fsdp")
+    ok(torchrun([*FSDP, "--checkpoint-dir", "a", "--output-dir", "runs/a"], folder))
+    b = [*FSDP, "--checkpoint-dir", "b", "--output-dir", "runs/b", "--activation-checkpointing"]
+    if not KILLABLE:
+        ok(torchrun([*b, "--max-steps", "6"], folder))
+        return folder, ok(torchrun(b, folder))
+    job = subprocess.Popen([*torchrun_cmd(2, "--max-restarts=1"), TRAIN, "--no-progress", *b],
+                           cwd=folder, env=child_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    while not list((folder / "b").glob("ckpt_step0000001*")):
         assert job.poll() is None, job.communicate()[1]
         time.sleep(0.01)
     agent = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()
     os.kill(int(agent[1]), signal.SIGKILL)
     out, err = job.communicate(timeout=240)
-    assert job.returncode == 0 and "resumed from" in out, err
-    assert_same_model(final_model(workdir / "a"), final_model(workdir / "b"))
+    return folder, subprocess.CompletedProcess(job.args, job.returncode, out, err)
 
 
 @needs_numpy
-def test_fsdp_checkpoint_exports_to_the_plain_model(workdir):
-    ok(torchrun([*QUICK, "--epochs", "1", "--model-layout", "fsdp"], workdir))
-    out = workdir / "model.pt"
+def test_fsdp_trains_saves_sharded_and_resumes_on_one_and_two_ranks(fsdp_runs, tmp_path):
+    folder, _ = fsdp_runs
+    done = summary(folder / "runs/a")
+    assert done["model_layout"] == "fsdp" and done["steps"] == 24
+    newest = folder / "a/ckpt_step00000024"
+    assert newest.is_dir() and (newest / ".metadata").is_file() and (newest / "meta.json").is_file()
+    assert len(list(newest.glob("*.distcp"))) == 2, "each rank wrote its own shards"
+
+    # b checkpoints activations, and resumes: the uninterrupted run's weights, bit for bit.
+    assert_same_model(final_model(folder / "a"), final_model(folder / "b"))
+
+    # On one process the shards are re-cut, and training goes on (in a copy: a stays as it is).
+    shutil.copytree(newest, tmp_path / "c" / newest.name)
+    ok(python_train([*FSDP, "--epochs", "4", "--checkpoint-dir", "c"], tmp_path))
+    assert summary(tmp_path / "runs/latest")["resumed_from"].endswith("ckpt_step00000024")
+
+    # A shard cut short (a copy that stopped half-way): one line that names the checkpoint.
+    newest = max((tmp_path / "c").glob("ckpt_step*"))
+    shard = max(newest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    line = one_error(python_train([*FSDP, "--epochs", "5", "--checkpoint-dir", "c", "--resume",
+                                   str(newest)], tmp_path))
+    assert f"cannot load checkpoint {newest}" in line and "--resume never" in line, line
+
+
+@needs_numpy
+@pytest.mark.skipif(not KILLABLE, reason="finds the workers through /proc")
+def test_fsdp_worker_killed_mid_run_restarts_and_ends_bit_for_bit(fsdp_runs):
+    folder, killed = fsdp_runs
+    assert killed.returncode == 0 and "resumed from" in killed.stdout, killed.stderr
+    assert_same_model(final_model(folder / "a"), final_model(folder / "b"))
+
+
+@needs_numpy
+def test_fsdp_checkpoint_exports_to_the_plain_model(fsdp_runs, tmp_path):
+    folder, _ = fsdp_runs
+    out = tmp_path / "model.pt"
     ok(run_cmd([sys.executable, "-m", "{{ cookiecutter.package_name }}.checkpoint",
-                "export", str(workdir / "checkpoints/ckpt_step00000008"), str(out)], PROJECT_ROOT))
+                "export", str(folder / "a/ckpt_step00000024"), str(out)], PROJECT_ROOT))
     exported = torch.load(out, map_location="cpu", weights_only=True)
     model = task.build_model(parse_args(QUICK, task.Settings))
     model.load_state_dict(exported["model"])  # every key, every shape
-    assert exported["step"] == 8 and exported["world_size"] == 2
+    assert exported["step"] == 24 and exported["world_size"] == 2
 
 
 @pytest.mark.parametrize("layout", ["data_parallel",
@@ -309,16 +332,21 @@ def test_a_background_save_that_fails_on_a_local_disk_is_one_line(workdir, layou
 
 @pytest.mark.parametrize("layout", ["data_parallel",
                                     pytest.param("fsdp", marks=needs_numpy)])
-def test_async_save_trains_on_while_writing_and_reports_the_stall(workdir, layout):
-    flags = [*QUICK, "--epochs", "2", "--save-every-steps", "2", "--model-layout", layout]
+def test_async_save_trains_on_while_writing_and_reports_the_stall(workdir, layout, request):
+    flags = [*FSDP, "--model-layout", layout]  # fsdp: the fsdp tests' run a, with --async-save
     ok(torchrun([*flags, "--async-save"], workdir))
     done = summary(workdir / "runs/latest")
-    assert done["async_save"] and done["checkpoint_saves"] == 8 and done["checkpoint_stall_ms"] > 0
+    assert done["async_save"] and done["checkpoint_saves"] == 12
+    assert done["checkpoint_stall_ms"] > 0
     kept = sorted((workdir / "checkpoints").glob("ckpt_step*"))
     assert [p.name for p in kept] == [checkpoint_path("", s, sharded=layout == "fsdp").name
-                                      for s in (12, 14, 16)]  # --keep-last 3
-    # Each background save wrote the state of its own step (the staging copy is reused).
-    ok(torchrun([*flags, "--checkpoint-dir", "sync", "--output-dir", "sync-runs"], workdir))
+                                      for s in (20, 22, 24)]  # --keep-last 3
+    # Each background save wrote the state of its own step (the staging copy is reused): the
+    # same as the synchronous run's checkpoints (fsdp's is run a of the fsdp tests).
+    if layout == "fsdp":
+        sync = request.getfixturevalue("fsdp_runs")[0] / "a"
+    else:
+        sync = workdir / "sync"
+        ok(torchrun([*flags, "--checkpoint-dir", "sync", "--output-dir", "sync-runs"], workdir))
     for path in kept:
-        assert_same_model(load_state(workdir / "sync" / path.name)["model"],
-                          load_state(path)["model"])
+        assert_same_model(load_state(sync / path.name)["model"], load_state(path)["model"])
