@@ -210,8 +210,16 @@ def test_an_upload_that_keeps_failing_stops_the_run_naming_the_newest_complete_c
     assert [c for c in checkpoints(s3.fs(), url[9:]) if "00000016" not in c] == [first]
 
 
-def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3):
+def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3, monkeypatch):
+    """Two real runs show a failing write probe is one line before training (a missing bucket
+    under torchrun, a silent server under python); the probe's other diagnoses are checked here
+    in this process, against the same real servers."""
+    import s3fs
     from s3server import S3Server, free_port
+
+    from {{ cookiecutter.package_name }}.checkpoint.folder import probe
+    from {{ cookiecutter.package_name }}.checkpoint.storage import RemotePath
+    from {{ cookiecutter.package_name }}.failures import UsageError
 
     def run(url: str, timeout_s: int = 60, launch=python_train, **env: str) -> str:
         """The probe is rank 0's: one process shows it (one case under torchrun, with 2)."""
@@ -223,9 +231,18 @@ def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3
         assert time.monotonic() - started < timeout_s + 15  # start-up, then the probe's wait
         return line
 
+    def probed(url: str, **env: str) -> str:
+        """The write probe's error, as a run with the default --timeout-s 60 makes it."""
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()  # a new filesystem sees the new variables
+        with pytest.raises(UsageError) as error:
+            probe(RemotePath(url), 30)
+        return str(error.value)
+
     assert "no such bucket 'nobucket'" in run("s3://nobucket/run", launch=torchrun, **s3.env())
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    assert "cannot reach the endpoint" in run("s3://bkt/run", **s3.env(closed))
+    assert "cannot reach the endpoint" in probed("s3://bkt/run", **s3.env(closed))
     with socket.socket() as silent:  # a server that takes the connection and never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
@@ -236,12 +253,13 @@ def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3
     try:
         reader = {**guarded.env(), "AWS_ACCESS_KEY_ID": guarded.keys["reader"][0],
                   "AWS_SECRET_ACCESS_KEY": guarded.keys["reader"][1]}
-        assert "cannot write there (AccessDenied" in run("s3://bkt/run", **reader)
+        assert "cannot write there (AccessDenied" in probed("s3://bkt/run", **reader)
         wrong = {**reader, "AWS_ACCESS_KEY_ID": "AKIANOSUCHKEY0000000"}
-        assert "the credentials were refused (InvalidAccessKeyId" in run("s3://bkt/run",
-                                                                         **wrong)
+        assert "the credentials were refused (InvalidAccessKeyId" in probed("s3://bkt/run",
+                                                                            **wrong)
     finally:
         guarded.close()
+        s3fs.S3FileSystem.clear_instance_cache()
     # A --resume URL, or a checkpoint given to predict.py, where nothing is stored.
     for url in ("s3://bkt/nothing/ckpt_step00000008.pt", "s3://bkt/nothing"):
         line = one_error(python_train([*FLAGS, "--resume", url], tmp_path, **s3.env()))
