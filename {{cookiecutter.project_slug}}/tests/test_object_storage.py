@@ -213,12 +213,14 @@ def test_an_upload_that_keeps_failing_stops_the_run_naming_the_newest_complete_c
 def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3, monkeypatch):
     """Two real runs show a failing write probe is one line before training (a missing bucket
     under torchrun, a silent server under python); the probe's other diagnoses are checked here
-    in this process, against the same real servers."""
+    in this process, against the same real servers. So are half the URLs where nothing is."""
     import s3fs
     from s3server import S3Server, free_port
 
+    from {{ cookiecutter.package_name }}.checkpoint.export import model_and_meta
     from {{ cookiecutter.package_name }}.checkpoint.folder import probe
-    from {{ cookiecutter.package_name }}.checkpoint.storage import RemotePath
+    from {{ cookiecutter.package_name }}.checkpoint.resume import pick_checkpoint
+    from {{ cookiecutter.package_name }}.checkpoint.storage import RemotePath, location
     from {{ cookiecutter.package_name }}.failures import UsageError
 
     def run(url: str, timeout_s: int = 60, launch=python_train, **env: str) -> str:
@@ -260,13 +262,26 @@ def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3
     finally:
         guarded.close()
         s3fs.S3FileSystem.clear_instance_cache()
-    # A --resume URL, or a checkpoint given to predict.py, where nothing is stored.
-    for url in ("s3://bkt/nothing/ckpt_step00000008.pt", "s3://bkt/nothing"):
-        line = one_error(python_train([*FLAGS, "--resume", url], tmp_path, **s3.env()))
-        assert f"--resume {url}: nothing is stored at that URL; name a checkpoint" in line, line
-        result = run_cmd([sys.executable, str(Path(TRAIN).parent / "scripts/predict.py"), url,
-                          "1"], tmp_path, **s3.env())
-        assert f"{url}: nothing is stored at that URL" in one_error(result)
+    # A --resume URL, or a checkpoint given to predict.py, where nothing is stored: a file and a
+    # prefix, each once as a real run of one program and once in this process (what the other
+    # program calls).
+    file, prefix = "s3://bkt/nothing/ckpt_step00000008.pt", "s3://bkt/nothing"
+    line = one_error(python_train([*FLAGS, "--resume", file], tmp_path, **s3.env()))
+    assert f"--resume {file}: nothing is stored at that URL; name a checkpoint" in line, line
+    result = run_cmd([sys.executable, str(Path(TRAIN).parent / "scripts/predict.py"), prefix,
+                      "1"], tmp_path, **s3.env())
+    assert f"{prefix}: nothing is stored at that URL" in one_error(result)
+    for key, value in s3.env().items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    with pytest.raises(UsageError) as error:
+        pick_checkpoint(prefix, "checkpoints")
+    assert f"--resume {prefix}: nothing is stored at that URL; name a checkpoint" in \
+        str(error.value)
+    with pytest.raises(UsageError) as error:  # predict.py's loading
+        model_and_meta(location(file))
+    assert f"{file}: nothing is stored at that URL" in str(error.value)
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def test_url_mistakes_are_one_line(tmp_path, example_task, monkeypatch, capsys):
