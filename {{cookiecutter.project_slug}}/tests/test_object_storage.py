@@ -70,6 +70,39 @@ def bucket_model(s3, url: str, cwd: Path) -> dict:
     return load_checkpoint(out)["model"]
 
 
+def killed_mid_upload(s3, command: list[str], cwd: Path, hold: str):
+    """Run `command` under torchrun through a proxy that holds the upload whose path has `hold`,
+    and kill the whole job at once while it waits, as a machine is lost: torchrun and every
+    process below it (its workers have sessions of their own: left alone, the one held in its
+    upload ends 25 s later, outside the reach of a signal to torchrun's process group)."""
+    from s3server import Proxy
+
+    proxy = Proxy(("127.0.0.1", s3.port), hold_word=hold)
+    job = subprocess.Popen([*torchrun_cmd(2), TRAIN, "--no-progress", *command], cwd=cwd,
+                           env=child_env(**s3.env(proxy.endpoint)), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proxy.held.wait(120), job.communicate(timeout=60)
+        for pid in [job.pid, *descendants(job.pid)]:  # listed first, then killed
+            with contextlib.suppress(ProcessLookupError):  # (a helper may end with its parent)
+                os.kill(pid, signal.SIGKILL)
+        return subprocess.CompletedProcess(command, -9, *job.communicate(timeout=60))
+    finally:
+        proxy.close()
+
+
+def assert_no_secret(s3, outputs: list, folder: Path, prefix: str) -> None:
+    """Secrets stay secret: not in any output, file or object the runs left."""
+    fs = s3.fs()
+    for secret in (s3.secret, s3.key_id):
+        for result in outputs:
+            assert secret not in result.stdout + result.stderr
+        for path in folder.rglob("*"):
+            assert not path.is_file() or secret.encode() not in path.read_bytes(), path
+        for key in fs.find(f"bkt/{prefix}"):
+            assert secret.encode() not in fs.cat_file(key), key
+
+
 # One job a layout, on the first machine: the proxy holds the upload that would complete step 16's
 # checkpoint (the file itself, or the folder's meta.json), and the whole job is killed while it
 # waits, as the machine is lost. A second machine resumes from the bucket and finishes with an
@@ -80,8 +113,6 @@ def bucket_model(s3, url: str, cwd: Path) -> dict:
                          ids=["data_parallel-async", "fsdp"])
 def test_a_machine_lost_mid_upload_resumes_elsewhere_from_the_previous_checkpoint(
         tmp_path, example_task, s3, layout, extra, monkeypatch):
-    from s3server import Proxy
-
     from {{ cookiecutter.package_name }}.checkpoint import folder as checkpoint_folder
     from {{ cookiecutter.package_name }}.checkpoint.files import is_complete, list_checkpoints
 
@@ -92,28 +123,14 @@ def test_a_machine_lost_mid_upload_resumes_elsewhere_from_the_previous_checkpoin
     expected = final_model(reference / "checkpoints")
 
     url = f"s3://bkt/{layout}{''.join(extra)}/run"
+    prefix = url[9:]  # under the bucket
     first, second = tmp_path / "first-machine", tmp_path / "second-machine"
     first.mkdir()
     second.mkdir()
     command = [*flags, "--checkpoint-dir", url, "--keep-last", "2"]
     hold = "ckpt_step00000016" + ("/meta.json" if layout == "fsdp" else ".pt")
-    proxy = Proxy(("127.0.0.1", s3.port), hold_word=hold)
-    job = subprocess.Popen([*torchrun_cmd(2), TRAIN, "--no-progress", *command], cwd=first,
-                           env=child_env(**s3.env(proxy.endpoint)), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        assert proxy.held.wait(120), job.communicate(timeout=60)
-        # The whole job at once, as a machine is lost: torchrun and every process below it (its
-        # workers have sessions of their own: left alone, the one held in its upload ends 25 s
-        # later, outside the reach of a signal to torchrun's process group).
-        for pid in [job.pid, *descendants(job.pid)]:  # listed first, then killed
-            with contextlib.suppress(ProcessLookupError):  # (a helper may end with its parent)
-                os.kill(pid, signal.SIGKILL)
-        outputs = [subprocess.CompletedProcess(command, -9, *job.communicate(timeout=60))]
-    finally:
-        proxy.close()
+    outputs = [killed_mid_upload(s3, command, first, hold)]
     fs = s3.fs()
-    prefix = url[9:]
     if layout == "fsdp":  # shards and DCP's .metadata, but not our meta.json
         assert checkpoints(fs, prefix) == ["ckpt_step00000008", "ckpt_step00000016"]
         assert ".metadata" in checkpoints(fs, f"{prefix}/ckpt_step00000016")
@@ -130,23 +147,14 @@ def test_a_machine_lost_mid_upload_resumes_elsewhere_from_the_previous_checkpoin
     assert kept == ["ckpt_step00000024" + ("" if layout == "fsdp" else ".pt"),
                     "ckpt_step00000032" + ("" if layout == "fsdp" else ".pt")], kept
     assert_same_model(expected, bucket_model(s3, url, tmp_path))
-
-    # Secrets stay secret: not in any output, file or object the runs left.
-    for secret in (s3.secret, s3.key_id):
-        for result in outputs:
-            assert secret not in result.stdout + result.stderr
-        for path in second.rglob("*"):
-            assert not path.is_file() or secret.encode() not in path.read_bytes(), path
-        for key in fs.find(f"bkt/{prefix}"):
-            assert secret.encode() not in fs.cat_file(key), key
+    assert_no_secret(s3, outputs, second, prefix)
 
     if layout == "fsdp":  # an unfinished folder is removed once it is old: "old" by STALE_S = 0
         fs.rm(f"bkt/{prefix}/ckpt_step00000024/meta.json")
         monkeypatch.setattr(checkpoint_folder, "STALE_S", 0)
         for key, value in s3.env().items():
             monkeypatch.setenv(key, value)
-        folder = checkpoint_folder.CheckpointDir(url, 0)
-        folder.open()
+        checkpoint_folder.CheckpointDir(url, 0).open()
         assert not fs.exists(f"bkt/{prefix}/ckpt_step00000024")
         assert all(is_complete(p) for p in list_checkpoints(url))
 
@@ -175,7 +183,7 @@ def test_sigterm_saves_to_the_bucket_before_the_process_leaves(tmp_path, example
     result = ok(run_cmd([sys.executable, TRAIN, "--no-progress", *flags, "--eval-only",
                          "--resume", saved], tmp_path, **s3.env()))
     assert f"evaluation of {saved} (step {stopped_at})" in result.stdout
-    # (predict.py given a URL where nothing is stored: test_start_up_errors_are_one_line_...)
+    # (predict.py given a URL where nothing is stored: test_a_url_where_nothing_is_stored_...)
 
 
 @pytest.mark.parametrize("layout, extra", [("data_parallel", []),
@@ -210,18 +218,32 @@ def test_an_upload_that_keeps_failing_stops_the_run_naming_the_newest_complete_c
     assert [c for c in checkpoints(s3.fs(), url[9:]) if "00000016" not in c] == [first]
 
 
+def in_process(monkeypatch, call, **env: str) -> str:
+    """The UsageError `call()` raises in this process with these variables set (a new s3fs
+    filesystem sees them)."""
+    import s3fs
+
+    from {{ cookiecutter.package_name }}.failures import UsageError
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        with pytest.raises(UsageError) as error:
+            call()
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    return str(error.value)
+
+
 def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3, monkeypatch):
     """Two real runs show a failing write probe is one line before training (a missing bucket
     under torchrun, a silent server under python); the probe's other diagnoses are checked here
-    in this process, against the same real servers. So are half the URLs where nothing is."""
-    import s3fs
+    in this process, against the same real servers."""
     from s3server import S3Server, free_port
 
-    from {{ cookiecutter.package_name }}.checkpoint.export import model_and_meta
     from {{ cookiecutter.package_name }}.checkpoint.folder import probe
-    from {{ cookiecutter.package_name }}.checkpoint.resume import pick_checkpoint
-    from {{ cookiecutter.package_name }}.checkpoint.storage import RemotePath, location
-    from {{ cookiecutter.package_name }}.failures import UsageError
+    from {{ cookiecutter.package_name }}.checkpoint.storage import RemotePath
 
     def run(url: str, timeout_s: int = 60, launch=python_train, **env: str) -> str:
         """The probe is rank 0's: one process shows it (one case under torchrun, with 2)."""
@@ -235,12 +257,7 @@ def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3
 
     def probed(url: str, **env: str) -> str:
         """The write probe's error, as a run with the default --timeout-s 60 makes it."""
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        s3fs.S3FileSystem.clear_instance_cache()  # a new filesystem sees the new variables
-        with pytest.raises(UsageError) as error:
-            probe(RemotePath(url), 30)
-        return str(error.value)
+        return in_process(monkeypatch, lambda: probe(RemotePath(url), 30), **env)
 
     assert "no such bucket 'nobucket'" in run("s3://nobucket/run", launch=torchrun, **s3.env())
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
@@ -261,27 +278,26 @@ def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3
                                                                             **wrong)
     finally:
         guarded.close()
-        s3fs.S3FileSystem.clear_instance_cache()
-    # A --resume URL, or a checkpoint given to predict.py, where nothing is stored: a file and a
-    # prefix, each once as a real run of one program and once in this process (what the other
-    # program calls).
+
+
+def test_a_url_where_nothing_is_stored_is_one_line(tmp_path, example_task, s3, monkeypatch):
+    """A --resume URL, or a checkpoint given to predict.py, where nothing is stored: a file and a
+    prefix, each once as a real run of one program and once in this process (the function the
+    other program calls)."""
+    from {{ cookiecutter.package_name }}.checkpoint.export import model_and_meta
+    from {{ cookiecutter.package_name }}.checkpoint.resume import pick_checkpoint
+    from {{ cookiecutter.package_name }}.checkpoint.storage import location
+
     file, prefix = "s3://bkt/nothing/ckpt_step00000008.pt", "s3://bkt/nothing"
     line = one_error(python_train([*FLAGS, "--resume", file], tmp_path, **s3.env()))
     assert f"--resume {file}: nothing is stored at that URL; name a checkpoint" in line, line
     result = run_cmd([sys.executable, str(Path(TRAIN).parent / "scripts/predict.py"), prefix,
                       "1"], tmp_path, **s3.env())
     assert f"{prefix}: nothing is stored at that URL" in one_error(result)
-    for key, value in s3.env().items():
-        monkeypatch.setenv(key, value)
-    s3fs.S3FileSystem.clear_instance_cache()
-    with pytest.raises(UsageError) as error:
-        pick_checkpoint(prefix, "checkpoints")
     assert f"--resume {prefix}: nothing is stored at that URL; name a checkpoint" in \
-        str(error.value)
-    with pytest.raises(UsageError) as error:  # predict.py's loading
-        model_and_meta(location(file))
-    assert f"{file}: nothing is stored at that URL" in str(error.value)
-    s3fs.S3FileSystem.clear_instance_cache()
+        in_process(monkeypatch, lambda: pick_checkpoint(prefix, "checkpoints"), **s3.env())
+    assert f"{file}: nothing is stored at that URL" in in_process(  # predict.py's loading
+        monkeypatch, lambda: model_and_meta(location(file)), **s3.env())
 
 
 def test_url_mistakes_are_one_line(tmp_path, example_task, monkeypatch, capsys):
