@@ -70,14 +70,52 @@ def bucket_model(s3, url: str, cwd: Path) -> dict:
     return load_checkpoint(out)["model"]
 
 
-# Saves in the background here; the kill test below saves in the foreground.
+def killed_mid_upload(s3, command: list[str], cwd: Path, hold: str):
+    """Run `command` under torchrun through a proxy that holds the upload whose path has `hold`,
+    and kill the whole job at once while it waits, as a machine is lost: torchrun and every
+    process below it (its workers have sessions of their own: left alone, the one held in its
+    upload ends 25 s later, outside the reach of a signal to torchrun's process group)."""
+    from s3server import Proxy
+
+    proxy = Proxy(("127.0.0.1", s3.port), hold_word=hold)
+    job = subprocess.Popen([*torchrun_cmd(2), TRAIN, "--no-progress", *command], cwd=cwd,
+                           env=child_env(**s3.env(proxy.endpoint)), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proxy.held.wait(120), job.communicate(timeout=60)
+        for pid in [job.pid, *descendants(job.pid)]:  # listed first, then killed
+            with contextlib.suppress(ProcessLookupError):  # (a helper may end with its parent)
+                os.kill(pid, signal.SIGKILL)
+        return subprocess.CompletedProcess(command, -9, *job.communicate(timeout=60))
+    finally:
+        proxy.close()
+
+
+def assert_no_secret(s3, outputs: list, folder: Path, prefix: str) -> None:
+    """Secrets stay secret: not in any output, file or object the runs left."""
+    fs = s3.fs()
+    for secret in (s3.secret, s3.key_id):
+        for result in outputs:
+            assert secret not in result.stdout + result.stderr
+        for path in folder.rglob("*"):
+            assert not path.is_file() or secret.encode() not in path.read_bytes(), path
+        for key in fs.find(f"bkt/{prefix}"):
+            assert secret.encode() not in fs.cat_file(key), key
+
+
+# One job a layout, on the first machine: the proxy holds the upload that would complete step 16's
+# checkpoint (the file itself, or the folder's meta.json), and the whole job is killed while it
+# waits, as the machine is lost. A second machine resumes from the bucket and finishes with an
+# uninterrupted run's bits, keeping the last 2. data_parallel saves in the background here, fsdp in
+# the foreground (the failing-upload test below covers the other two).
 @pytest.mark.parametrize("layout, extra", [("data_parallel", ["--async-save"]),
-                                           ("fsdp", ["--async-save"])],
-                         ids=["data_parallel-async", "fsdp-async"])
-def test_a_run_whose_machine_is_lost_finishes_on_another_from_the_bucket(
-        tmp_path, example_task, s3, layout, extra):
-    if layout == "fsdp" and importlib.util.find_spec("numpy") is None:
-        pytest.skip("--model-layout fsdp needs numpy")
+                                           pytest.param("fsdp", [], marks=needs_numpy)],
+                         ids=["data_parallel-async", "fsdp"])
+def test_a_machine_lost_mid_upload_resumes_elsewhere_from_the_previous_checkpoint(
+        tmp_path, example_task, s3, layout, extra, monkeypatch):
+    from {{ cookiecutter.package_name }}.checkpoint import folder as checkpoint_folder
+    from {{ cookiecutter.package_name }}.checkpoint.files import is_complete, list_checkpoints
+
     flags = [*FLAGS, "--model-layout", layout, *extra]
     reference = tmp_path / "reference"
     reference.mkdir()
@@ -85,81 +123,39 @@ def test_a_run_whose_machine_is_lost_finishes_on_another_from_the_bucket(
     expected = final_model(reference / "checkpoints")
 
     url = f"s3://bkt/{layout}{''.join(extra)}/run"
+    prefix = url[9:]  # under the bucket
     first, second = tmp_path / "first-machine", tmp_path / "second-machine"
     first.mkdir()
     second.mkdir()
     command = [*flags, "--checkpoint-dir", url, "--keep-last", "2"]
-    outputs = [ok(torchrun([*command, "--max-steps", "24"], first, **s3.env()))]
+    hold = "ckpt_step00000016" + ("/meta.json" if layout == "fsdp" else ".pt")
+    outputs = [killed_mid_upload(s3, command, first, hold)]
     fs = s3.fs()
-    kept = [n for n in checkpoints(fs, url[9:]) if n.startswith("ckpt_step")]
-    assert kept == ["ckpt_step00000016" + ("" if layout == "fsdp" else ".pt"),
-                    "ckpt_step00000024" + ("" if layout == "fsdp" else ".pt")], kept
+    if layout == "fsdp":  # shards and DCP's .metadata, but not our meta.json
+        assert checkpoints(fs, prefix) == ["ckpt_step00000008", "ckpt_step00000016"]
+        assert ".metadata" in checkpoints(fs, f"{prefix}/ckpt_step00000016")
+        assert "meta.json" not in checkpoints(fs, f"{prefix}/ckpt_step00000016")
+    else:
+        assert checkpoints(fs, prefix) == ["ckpt_step00000008.pt"]
     shutil.rmtree(first)  # the machine is gone, and every file it had
 
     outputs.append(ok(torchrun(command, second, **s3.env())))
-    assert f"resumed from {url}/ckpt_step00000024" in outputs[1].stdout
-    assert_same_model(expected, bucket_model(s3, url, tmp_path))
-
-    # Secrets stay secret: not in any output, file or object the runs left.
-    for secret in (s3.secret, s3.key_id):
-        for result in outputs:
-            assert secret not in result.stdout + result.stderr
-        for path in second.rglob("*"):
-            assert not path.is_file() or secret.encode() not in path.read_bytes(), path
-        for key in fs.find(f"bkt/{url[9:]}"):
-            assert secret.encode() not in fs.cat_file(key), key
-
-
-@pytest.mark.parametrize("layout", ["data_parallel", "fsdp"])
-def test_a_kill_in_the_middle_of_an_upload_leaves_the_previous_checkpoint_newest(
-        tmp_path, example_task, s3, layout, monkeypatch):
-    """The proxy holds the upload that would complete step 16's checkpoint (the file itself, or
-    the folder's meta.json); the whole job is killed while it waits."""
-    from s3server import Proxy
-
-    from {{ cookiecutter.package_name }}.checkpoint import folder as checkpoint_folder
-    from {{ cookiecutter.package_name }}.checkpoint.files import is_complete, list_checkpoints
-
-    if layout == "fsdp" and importlib.util.find_spec("numpy") is None:
-        pytest.skip("--model-layout fsdp needs numpy")
-    url = f"s3://bkt/killed-{layout}"
-    flags = [*FLAGS, "--model-layout", layout, "--checkpoint-dir", url, "--keep-last", "0"]
-    hold = "ckpt_step00000016" + ("/meta.json" if layout == "fsdp" else ".pt")
-    proxy = Proxy(("127.0.0.1", s3.port), hold_word=hold)
-    job = subprocess.Popen([*torchrun_cmd(2), TRAIN, "--no-progress", *flags], cwd=tmp_path,
-                           env=child_env(**s3.env(proxy.endpoint)), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        assert proxy.held.wait(120), job.communicate(timeout=60)
-        # The whole job at once, as a machine is lost: torchrun and every process below it (its
-        # workers have sessions of their own: left alone, the one held in its upload ends 25 s
-        # later, outside the reach of a signal to torchrun's process group).
-        for pid in [job.pid, *descendants(job.pid)]:  # listed first, then killed
-            with contextlib.suppress(ProcessLookupError):  # (a helper may end with its parent)
-                os.kill(pid, signal.SIGKILL)
-        job.communicate(timeout=60)
-    finally:
-        proxy.close()
-    fs = s3.fs()
-    if layout == "fsdp":  # shards and DCP's .metadata, but not our meta.json
-        assert checkpoints(fs, url[9:]) == ["ckpt_step00000008", "ckpt_step00000016"]
-        assert ".metadata" in checkpoints(fs, f"{url[9:]}/ckpt_step00000016")
-        assert "meta.json" not in checkpoints(fs, f"{url[9:]}/ckpt_step00000016")
-    else:
-        assert checkpoints(fs, url[9:]) == ["ckpt_step00000008.pt"]
-
-    result = ok(torchrun(flags, tmp_path, **s3.env()))
-    assert f"resumed from {url}/ckpt_step00000008" in result.stdout, result.stdout
+    assert f"resumed from {url}/ckpt_step00000008" in outputs[1].stdout, outputs[1].stdout
     if layout == "fsdp":  # the unfinished folder was skipped, then replaced by a complete one
-        assert "skipping unreadable checkpoint" in result.stderr
-        # An unfinished folder is removed once it is old: made "old" here by STALE_S = 0.
-        fs.rm(f"bkt/{url[9:]}/ckpt_step00000016/meta.json")
+        assert "skipping unreadable checkpoint" in outputs[1].stderr
+    kept = [n for n in checkpoints(fs, prefix) if n.startswith("ckpt_step")]
+    assert kept == ["ckpt_step00000024" + ("" if layout == "fsdp" else ".pt"),
+                    "ckpt_step00000032" + ("" if layout == "fsdp" else ".pt")], kept
+    assert_same_model(expected, bucket_model(s3, url, tmp_path))
+    assert_no_secret(s3, outputs, second, prefix)
+
+    if layout == "fsdp":  # an unfinished folder is removed once it is old: "old" by STALE_S = 0
+        fs.rm(f"bkt/{prefix}/ckpt_step00000024/meta.json")
         monkeypatch.setattr(checkpoint_folder, "STALE_S", 0)
         for key, value in s3.env().items():
             monkeypatch.setenv(key, value)
-        folder = checkpoint_folder.CheckpointDir(url, 0)
-        folder.open()
-        assert not fs.exists(f"bkt/{url[9:]}/ckpt_step00000016")
+        checkpoint_folder.CheckpointDir(url, 0).open()
+        assert not fs.exists(f"bkt/{prefix}/ckpt_step00000024")
         assert all(is_complete(p) for p in list_checkpoints(url))
 
 
@@ -187,9 +183,7 @@ def test_sigterm_saves_to_the_bucket_before_the_process_leaves(tmp_path, example
     result = ok(run_cmd([sys.executable, TRAIN, "--no-progress", *flags, "--eval-only",
                          "--resume", saved], tmp_path, **s3.env()))
     assert f"evaluation of {saved} (step {stopped_at})" in result.stdout
-    predict = [sys.executable, str(Path(TRAIN).parent / "scripts" / "predict.py")]
-    missing = run_cmd([*predict, f"{url}/ckpt_step00000001.pt", "x"], tmp_path, **s3.env())
-    assert f"{url}/ckpt_step00000001.pt: nothing is stored at that URL" in one_error(missing)
+    # (predict.py given a URL where nothing is stored: test_a_url_where_nothing_is_stored_...)
 
 
 @pytest.mark.parametrize("layout, extra", [("data_parallel", []),
@@ -224,8 +218,32 @@ def test_an_upload_that_keeps_failing_stops_the_run_naming_the_newest_complete_c
     assert [c for c in checkpoints(s3.fs(), url[9:]) if "00000016" not in c] == [first]
 
 
-def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3):
+def in_process(monkeypatch, call, **env: str) -> str:
+    """The UsageError `call()` raises in this process with these variables set (a new s3fs
+    filesystem sees them)."""
+    import s3fs
+
+    from {{ cookiecutter.package_name }}.failures import UsageError
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        with pytest.raises(UsageError) as error:
+            call()
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    return str(error.value)
+
+
+def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3, monkeypatch):
+    """Two real runs show a failing write probe is one line before training (a missing bucket
+    under torchrun, a silent server under python); the probe's other diagnoses are checked here
+    in this process, against the same real servers."""
     from s3server import S3Server, free_port
+
+    from {{ cookiecutter.package_name }}.checkpoint.folder import probe
+    from {{ cookiecutter.package_name }}.checkpoint.storage import RemotePath
 
     def run(url: str, timeout_s: int = 60, launch=python_train, **env: str) -> str:
         """The probe is rank 0's: one process shows it (one case under torchrun, with 2)."""
@@ -237,9 +255,13 @@ def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3
         assert time.monotonic() - started < timeout_s + 15  # start-up, then the probe's wait
         return line
 
+    def probed(url: str, **env: str) -> str:
+        """The write probe's error, as a run with the default --timeout-s 60 makes it."""
+        return in_process(monkeypatch, lambda: probe(RemotePath(url), 30), **env)
+
     assert "no such bucket 'nobucket'" in run("s3://nobucket/run", launch=torchrun, **s3.env())
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    assert "cannot reach the endpoint" in run("s3://bkt/run", **s3.env(closed))
+    assert "cannot reach the endpoint" in probed("s3://bkt/run", **s3.env(closed))
     with socket.socket() as silent:  # a server that takes the connection and never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
@@ -250,22 +272,50 @@ def test_start_up_errors_are_one_line_before_training(tmp_path, example_task, s3
     try:
         reader = {**guarded.env(), "AWS_ACCESS_KEY_ID": guarded.keys["reader"][0],
                   "AWS_SECRET_ACCESS_KEY": guarded.keys["reader"][1]}
-        assert "cannot write there (AccessDenied" in run("s3://bkt/run", **reader)
+        assert "cannot write there (AccessDenied" in probed("s3://bkt/run", **reader)
         wrong = {**reader, "AWS_ACCESS_KEY_ID": "AKIANOSUCHKEY0000000"}
-        assert "the credentials were refused (InvalidAccessKeyId" in run("s3://bkt/run",
-                                                                         **wrong)
+        assert "the credentials were refused (InvalidAccessKeyId" in probed("s3://bkt/run",
+                                                                            **wrong)
     finally:
         guarded.close()
-    # A --resume URL, or a checkpoint given to predict.py, where nothing is stored.
-    for url in ("s3://bkt/nothing/ckpt_step00000008.pt", "s3://bkt/nothing"):
-        line = one_error(python_train([*FLAGS, "--resume", url], tmp_path, **s3.env()))
-        assert f"--resume {url}: nothing is stored at that URL; name a checkpoint" in line, line
-        result = run_cmd([sys.executable, str(Path(TRAIN).parent / "scripts/predict.py"), url,
-                          "1"], tmp_path, **s3.env())
-        assert f"{url}: nothing is stored at that URL" in one_error(result)
 
 
-def test_url_mistakes_are_one_line(tmp_path, example_task):
+def test_a_url_where_nothing_is_stored_is_one_line(tmp_path, example_task, s3, monkeypatch):
+    """A --resume URL, or a checkpoint given to predict.py, where nothing is stored: a file and a
+    prefix, each once as a real run of one program and once in this process (the function the
+    other program calls)."""
+    from {{ cookiecutter.package_name }}.checkpoint.export import model_and_meta
+    from {{ cookiecutter.package_name }}.checkpoint.resume import pick_checkpoint
+    from {{ cookiecutter.package_name }}.checkpoint.storage import location
+
+    file, prefix = "s3://bkt/nothing/ckpt_step00000008.pt", "s3://bkt/nothing"
+    line = one_error(python_train([*FLAGS, "--resume", file], tmp_path, **s3.env()))
+    assert f"--resume {file}: nothing is stored at that URL; name a checkpoint" in line, line
+    result = run_cmd([sys.executable, str(Path(TRAIN).parent / "scripts/predict.py"), prefix,
+                      "1"], tmp_path, **s3.env())
+    assert f"{prefix}: nothing is stored at that URL" in one_error(result)
+    assert f"--resume {prefix}: nothing is stored at that URL; name a checkpoint" in \
+        in_process(monkeypatch, lambda: pick_checkpoint(prefix, "checkpoints"), **s3.env())
+    assert f"{file}: nothing is stored at that URL" in in_process(  # predict.py's loading
+        monkeypatch, lambda: model_and_meta(location(file)), **s3.env())
+
+
+def test_url_mistakes_are_one_line(tmp_path, example_task, monkeypatch, capsys):
+    """Found while parsing the flags: `main` runs here instead of in a new Python (the same code
+    path, without the second it takes to import torch), as test_mistakes' bad flags do."""
+    from {{ cookiecutter.package_name }}.main import main
+
+    def error(url: str) -> str:
+        with pytest.raises(SystemExit) as exit_:
+            main(["--checkpoint-dir", url])
+        captured = capsys.readouterr()
+        result = subprocess.CompletedProcess(["main"], exit_.value.code, captured.out,
+                                             captured.err)
+        assert result.returncode == 2, result.stderr
+        assert "secret" not in result.stderr and "token=x" not in result.stderr
+        return one_error(result)
+
+    monkeypatch.chdir(tmp_path)
     cases = {
         "s3://key:secret@bkt/run": "credentials do not go in the URL",
         "s3://bkt/run?token=x": "credentials do not go in the URL",
@@ -273,15 +323,10 @@ def test_url_mistakes_are_one_line(tmp_path, example_task):
         "s3:///run": "no bucket",
     }
     for url, expected in cases.items():
-        result = run_cmd([sys.executable, TRAIN, "--checkpoint-dir", url], tmp_path)
-        assert result.returncode == 2 and expected in one_error(result), result.stderr
-        assert "secret" not in result.stderr and "token=x" not in result.stderr
-    missing = ("import runpy, sys; sys.modules['s3fs'] = None; "
-               f"sys.argv = ['train.py', '--checkpoint-dir', 's3://bkt/run']; "
-               f"runpy.run_path({TRAIN!r}, run_name='__main__')")
-    result = run_cmd([sys.executable, "-c", missing], tmp_path)
+        assert expected in error(url)
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # as if it were not installed
     assert 's3:// needs s3fs: pip install s3fs (the project\'s extra: pip install -e ".[s3]")' \
-        in one_error(result)
+        in error("s3://bkt/run")
 
 
 @pytest.mark.network
