@@ -175,46 +175,51 @@ def blocked_signals(pid: int) -> int:
     return -1
 
 
+def assert_data_workers_hold_stop_signals(job: subprocess.Popen) -> None:
+    """Each rank's forkserver (and the data workers it forks) holds SIGTERM and SIGUSR1 blocked:
+    a signal to every process leaves the stop to the training process."""
+    servers = {pid: blocked_signals(pid) for pid in descendants(job.pid)
+               if b"multiprocessing.forkserver" in read_proc(pid, "cmdline")}
+    assert len(servers) >= 2, servers
+    stops = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGUSR1 - 1))
+    assert all(mask & stops == stops for mask in servers.values() if mask >= 0), servers
+
+
+def stopped_cleanly(job: subprocess.Popen, name: str, checkpoints: Path, last_step: int) -> int:
+    """Wait for a job stopped by signal `name`; the step it stopped and saved at."""
+    out, err = job.communicate(timeout=120)
+    assert f"stopped by {name} at step" in out, err
+    stopped_at = int(out.split(f"stopped by {name} at step ")[1].split(":")[0])
+    assert newest_step(checkpoints) == stopped_at < last_step
+    assert "{{ cookiecutter.package_name }}/" not in err, err
+    # The workers exit with 128 + the signal; torchrun does not pass that through: it exits 1
+    # (stopped itself, or its workers exited non-zero).
+    assert job.returncode == 1, err
+    return stopped_at
+
+
 @pytest.mark.parametrize("how", ["SIGUSR1-to-workers", "SIGINT-to-all",
-                                 "SIGTERM-to-torchrun-data-workers",
-                                 "SIGUSR1-to-every-process-data-workers"])
-def test_preemption_signal_saves_and_exits_cleanly(workdir, reference, how):
-    """With data workers too: torchrun signals each training process's whole process group, and
-    SLURM every process of the step, so the workers get the signal as well. They leave it to the
-    training process (which needs them for the batches up to its next log step, where it saves)."""
+                                 "SIGTERM-to-torchrun-data-workers"])
+def test_preemption_signal_saves_and_exits_cleanly(workdir, how):
+    """With data workers too: torchrun signals each training process's whole process group, so
+    the workers get the signal as well. They leave it to the training process (which needs them
+    for the batches up to its next log step, where it saves). SLURM's signal to every process of
+    the step, and the resume from the checkpoint a stop saves, bit for bit:
+    test_per_sample_workers_with_random_augmentation_resume_bit_for_bit."""
     workers_flags = ["--num-workers", "2"] if how.endswith("data-workers") else []
     job = start_torchrun(workdir, "--log-every", "2", *workers_flags)
     wait_for_checkpoint(workdir / "checkpoints", 12)
-    if workers_flags:  # each rank's forkserver and the workers it forked hold them blocked
-        servers = {pid: blocked_signals(pid) for pid in descendants(job.pid)
-                   if b"multiprocessing.forkserver" in read_proc(pid, "cmdline")}
-        assert len(servers) >= 2, servers
-        stops = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGUSR1 - 1))
-        assert all(mask & stops == stops for mask in servers.values() if mask >= 0), servers
+    if workers_flags:
+        assert_data_workers_hold_stop_signals(job)
     name = how.split("-")[0]
     if how.startswith("SIGTERM-to-torchrun"):
         os.kill(job.pid, signal.SIGTERM)  # torchrun forwards it to its workers
     elif how == "SIGUSR1-to-workers":
         for pid in workers(job.pid).values():  # SLURM's --signal reaches every task
             os.kill(pid, signal.SIGUSR1)
-    elif how.startswith("SIGUSR1-to-every-process"):
-        for pid in descendants(job.pid):  # what `scancel --signal` does: every process
-            os.kill(pid, signal.SIGUSR1)
     else:
         os.killpg(job.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole process group
-    out, err = job.communicate(timeout=120)
-    assert f"stopped by {name} at step" in out, err
-    stopped_at = int(out.split(f"stopped by {name} at step ")[1].split(":")[0])
-    assert newest_step(workdir / "checkpoints") == stopped_at < LAST_STEP
-    assert "{{ cookiecutter.package_name }}/" not in err, err
-    # The workers exit with 128 + the signal; torchrun does not pass that through: it exits 1
-    # (stopped itself, or its workers exited non-zero).
-    assert job.returncode == 1, err
-    # The checkpoint a stop saves resumes bit for bit: shown once, by the run that had data
-    # workers and every process signalled (the other stops save the same way, at a log step).
-    if how == "SIGUSR1-to-every-process-data-workers":
-        ok(torchrun(FLAGS[1:], workdir))
-        assert_same_model(reference, final_model(workdir / "checkpoints"))
+    stopped_cleanly(job, name, workdir / "checkpoints", LAST_STEP)
 
 
 def test_a_second_ctrl_c_exits_at_once(workdir):
@@ -379,20 +384,29 @@ if __name__ == "__main__":  # data workers import this file too (they start from
 
 
 def test_per_sample_workers_with_random_augmentation_resume_bit_for_bit(workdir):
+    """a is never interrupted. b is stopped by SIGUSR1 to every process (what `scancel --signal`
+    does: the data workers get it too), resumed, SIGKILLed mid-epoch and resumed again: it ends
+    with a's weights bit for bit, each data worker's random noise included."""
     script = workdir / "per_sample.py"
     script.write_text(PER_SAMPLE)
-    flags = [*FLAGS, "--num-workers", "2", "--epochs", "2"]
+    flags = [*FLAGS, "--num-workers", "2", "--epochs", "2"]  # 32 steps
 
-    def start(folder: str) -> subprocess.Popen:
-        return subprocess.Popen([*torchrun_cmd(2), str(script), *flags, "--checkpoint-dir", folder],
-                                cwd=workdir, env=child_env(), stdout=subprocess.PIPE,
+    def start(folder: str, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen([*torchrun_cmd(2), str(script), *flags, "--checkpoint-dir", folder,
+                                 *extra], cwd=workdir, env=child_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
 
     uninterrupted = start("a")
     out, err = uninterrupted.communicate(timeout=240)
     assert uninterrupted.returncode == 0, err
+    job = start("b", "--log-every", "2")  # a stop saves at the next log step
+    wait_for_checkpoint(workdir / "b", 12)
+    assert_data_workers_hold_stop_signals(job)
+    for pid in descendants(job.pid):
+        os.kill(pid, signal.SIGUSR1)
+    stopped_at = stopped_cleanly(job, "SIGUSR1", workdir / "b", 32)
     job = start("b")
-    wait_for_checkpoint(workdir / "b", 20)  # mid-epoch: 16 steps an epoch
+    wait_for_checkpoint(workdir / "b", max(20, stopped_at + 1))  # mid-epoch: 16 steps an epoch
     kill_all(job)
     resumed = start("b")
     out, err = resumed.communicate(timeout=240)
