@@ -24,6 +24,9 @@ from conftest import (
     write_store_file,
 )
 
+from {{ cookiecutter.package_name }} import settings, task
+from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta
+from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.runtime.environments import find_free_port
 
 pytestmark = pytest.mark.launchers
@@ -73,11 +76,12 @@ def test_a_killed_spawn_worker_ends_the_run_with_its_error(workdir):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
 def test_ctrl_c_under_spawn_saves_and_exits_130(workdir):
     """Ctrl-C reaches the whole process group: every worker saves, and the run ends with 130 so
-    that `python train.py --nprocs 2 ... && next-step` does not go on."""
+    that `python train.py --nprocs 2 ... && next-step` does not go on. The workers meet through
+    --init-method file (a new file for the launch, in the output folder), gone afterwards."""
     run = subprocess.Popen([sys.executable, TRAIN, "--no-progress", "--nprocs", "2", "--epochs",
-                            "1000", "--log-every", "1"], cwd=workdir, env=child_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)  # a terminal's process group of its own
+                            "1000", "--log-every", "1", "--init-method", "file"], cwd=workdir,
+                           env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)  # a terminal's process group
     for line in run.stdout:
         if " step " in line:
             break
@@ -85,7 +89,10 @@ def test_ctrl_c_under_spawn_saves_and_exits_130(workdir):
     out, err = run.communicate(timeout=60)
     assert run.returncode == 130, err
     assert "stopped by SIGINT at step" in out and "error:" not in err, err
-    assert list((workdir / "checkpoints").glob("ckpt_step*"))
+    saved = list_checkpoints(workdir / "checkpoints")
+    assert saved and read_meta(saved[0])["world_size"] == 2
+    leftovers = [p for p in workdir.rglob("*store*") if p.is_file()]
+    assert not leftovers, f"rendezvous files left behind: {leftovers}"
 
 
 @pytest.mark.parametrize("use_env", [False, True], ids=["local-rank-flag", "use-env"])
@@ -138,7 +145,8 @@ def test_two_torchrun_nodes_on_localhost(workdir, bin_dir):
             and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("method", ["tcp://127.0.0.1:{port}", "file", "{tmp}/my dé jà 100%/store"])
+# --init-method file: test_ctrl_c_under_spawn_saves_and_exits_130.
+@pytest.mark.parametrize("method", ["tcp://127.0.0.1:{port}", "{tmp}/my dé jà 100%/store"])
 def test_init_methods_under_spawn(workdir, method):
     method = method.format(port=find_free_port(), tmp=workdir)
     ok(python_train(["--nprocs", "2", *QUICK, "--init-method", method], workdir))
@@ -159,11 +167,7 @@ def test_stale_store_file_is_refused(workdir):
     assert stale.exists(), "the user's file is reported, not deleted behind their back"
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--nprocs", "2"], "--nprocs starts processes itself"),
-    (["--epochs", "x"], "--epochs: invalid integer value"),
-])
-def test_an_error_every_rank_finds_is_printed_though_local_rank_0_is_late(workdir, args, says):
+def test_an_error_every_rank_finds_is_printed_though_local_rank_0_is_late(workdir):
     """On a loaded machine local rank 0 can reach the error seconds after rank 1; rank 1 must
     not exit first (torchrun would stop rank 0 before its line is out)."""
     slow = workdir / "slow_rank_0"
@@ -171,7 +175,20 @@ def test_an_error_every_rank_finds_is_printed_though_local_rank_0_is_late(workdi
     (slow / "sitecustomize.py").write_text(
         "import os, time\nif os.environ.get('LOCAL_RANK') == '0':\n    time.sleep(4)\n")
     pythonpath = os.pathsep.join([str(slow), str(PROJECT_ROOT)])
-    assert says in one_error(torchrun([*args, *QUICK], workdir, PYTHONPATH=pythonpath))
+    result = torchrun(["--nprocs", "2", *QUICK], workdir, PYTHONPATH=pythonpath)
+    assert "--nprocs starts processes itself" in one_error(result)
+
+
+def test_a_bad_flag_leaves_its_line_to_local_rank_0_as_the_errors_every_rank_finds_do(monkeypatch):
+    """argparse's errors go out the same way as the error of the run above (say_once_per_node,
+    which waits for local rank 0's line): shown here in-process, as local rank 1."""
+    said = []
+    monkeypatch.setattr(settings, "say_once_per_node", lambda *args: said.append(args))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--epochs", "x"], getattr(task, "Settings", None))
+    assert exc.value.code == 2 and len(said) == 1 and said[0][1] == 1, said
+    assert "--epochs: invalid integer value" in said[0][0], said
 
 
 def test_a_silent_rank_waits_a_bounded_time_for_a_local_rank_0_that_never_prints(workdir):
