@@ -89,7 +89,7 @@ def reference(tmp_path_factory) -> dict:
     return final_model(workdir / "checkpoints")
 
 
-# Rank 1 killed after the first checkpoints: test_torchrun_restarts_a_killed_worker_and_finishes.
+# Rank 1 killed, torchrun restarting it: test_torchrun_restarts_a_killed_worker_and_finishes.
 @pytest.mark.parametrize("kill_after, rank", [
     pytest.param(20, 0, marks=pytest.mark.quick),  # the default tier's real kill and resume
     ], ids=["mid-epoch-rank0"])
@@ -106,21 +106,39 @@ def test_sigkill_then_resume_is_bit_for_bit(workdir, reference, kill_after, rank
     assert_same_model(reference, final_model(workdir / "checkpoints"))
 
 
-@pytest.mark.skipif(DEFAULT_MODEL_LAYOUT == "fsdp", reason="fsdp has no DDP comm hooks")
-def test_powersgd_state_is_checkpointed_and_a_killed_run_resumes_bit_for_bit(workdir):
-    """PowerSGD's error feedback (each rank's) and its factors go into every checkpoint, and a
-    run SIGKILLed mid-run resumes with them to the uninterrupted run's weights bit for bit,
-    though its DDP's first step has one bucket of everything where the first run had several. A
-    resume that starts PowerSGD afresh ends elsewhere."""
-    hook = ["--comm-hook", "powersgd", "--powersgd-warmup-steps", "3", "--bucket-cap-mb", "0.01"]
-    ok(torchrun([*FLAGS[1:], *hook, "--checkpoint-dir", "uninterrupted"], workdir))
-    reference = final_model(workdir / "uninterrupted")
-    job = start_torchrun(workdir, *hook)
+POWERSGD = ["--comm-hook", "powersgd", "--powersgd-warmup-steps", "3", "--bucket-cap-mb", "0.01"]
+
+
+def test_torchrun_restarts_a_killed_worker_and_finishes(workdir, request):
+    """As scripts/train_local.sh runs torchrun, which restarts only for what a restart cures: the
+    restarted workers resume from the newest checkpoint and end with the uninterrupted run's
+    weights bit for bit. With DDP (fsdp has no comm hooks) both runs use PowerSGD, whose state
+    the checkpoints must hold for that: check_powersgd_state."""
+    hook = [] if DEFAULT_MODEL_LAYOUT == "fsdp" else POWERSGD
+    if hook:
+        ok(torchrun([*FLAGS[1:], *hook, "--checkpoint-dir", "uninterrupted"], workdir))
+        expected = final_model(workdir / "uninterrupted")
+    else:
+        expected = request.getfixturevalue("reference")
+    job = start_torchrun(workdir, *hook, restarts=2, quietly=True)
     wait_for_checkpoint(workdir / "checkpoints", 20)
     os.kill(workers(job.pid)[1], signal.SIGKILL)
-    job.communicate(timeout=120)
-    newest = list_checkpoints(workdir / "checkpoints")[0]
-    state = torch.load(newest, weights_only=True)
+    out, err = job.communicate(timeout=240)
+    assert job.returncode == 0, err
+    assert "resumed from" in out
+    done = summary(workdir / "runs/latest")
+    assert done["steps"] == LAST_STEP and done["resumed_from"]
+    assert_same_model(expected, final_model(workdir / "checkpoints"))
+    if hook:
+        check_powersgd_state(workdir, workdir / done["resumed_from"], expected)
+
+
+def check_powersgd_state(workdir: Path, resumed_from: Path, expected: dict) -> None:
+    """PowerSGD's error feedback (each rank's) and its factors are in the checkpoint the restarted
+    workers resumed from (bit for bit, though their DDP's first step has one bucket of everything
+    where the first run had several). A resume from it that starts PowerSGD afresh ends
+    elsewhere."""
+    state = torch.load(resumed_from, weights_only=True)
     assert state["step"] < LAST_STEP, "the run finished before the kill"
     assert state["comm_hook"]["iter"] == state["step"]  # one exchange a step
     assert state["comm_hook"]["values"].shape[0] == 2  # both ranks' error feedback
@@ -128,25 +146,10 @@ def test_powersgd_state_is_checkpointed_and_a_killed_run_resumes_bit_for_bit(wor
     fresh = workdir / "fresh"
     fresh.mkdir()
     del state["comm_hook"]
-    torch.save(state, fresh / newest.name)
-    for checkpoints in ("checkpoints", "fresh"):
-        ok(torchrun([*FLAGS[1:], *hook, "--checkpoint-dir", checkpoints], workdir))
-    assert_same_model(reference, final_model(workdir / "checkpoints"))
-    afresh = final_model(workdir / "fresh")
-    assert not all(torch.equal(afresh[k], reference[k]) for k in reference)
-
-
-def test_torchrun_restarts_a_killed_worker_and_finishes(workdir, reference):
-    """As scripts/train_local.sh runs torchrun, which restarts only for what a restart cures."""
-    job = start_torchrun(workdir, restarts=2, quietly=True)
-    wait_for_checkpoint(workdir / "checkpoints", 8)
-    os.kill(workers(job.pid)[1], signal.SIGKILL)
-    out, err = job.communicate(timeout=240)
-    assert job.returncode == 0, err
-    assert "resumed from" in out
-    done = summary(workdir / "runs/latest")
-    assert done["steps"] == LAST_STEP and done["resumed_from"]
-    assert_same_model(reference, final_model(workdir / "checkpoints"))
+    torch.save(state, fresh / resumed_from.name)
+    ok(torchrun([*FLAGS[1:], *POWERSGD, "--checkpoint-dir", "fresh"], workdir))
+    afresh = final_model(fresh)
+    assert not all(torch.equal(afresh[k], expected[k]) for k in expected)
 
 
 def descendants(pid: int) -> list[int]:
