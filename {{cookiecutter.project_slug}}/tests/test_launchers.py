@@ -1,4 +1,5 @@
-"""Every way of starting the job, each run for real with 2 gloo processes on CPU."""
+"""Every way of starting the job, each run for real with 2 gloo processes on CPU (and one
+in-process check: a bad flag takes the way out that the late-rank-0 run shows)."""
 
 from __future__ import annotations
 
