@@ -1,4 +1,5 @@
-"""Every way of starting the job, each run for real with 2 gloo processes on CPU."""
+"""Every way of starting the job, each run for real with 2 gloo processes on CPU (and one
+in-process check: a bad flag takes the way out that the late-rank-0 run shows)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from conftest import (
     write_store_file,
 )
 
+from {{ cookiecutter.package_name }} import settings, task
+from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta
+from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.runtime.environments import find_free_port
 
 pytestmark = pytest.mark.launchers
@@ -73,11 +77,12 @@ def test_a_killed_spawn_worker_ends_the_run_with_its_error(workdir):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
 def test_ctrl_c_under_spawn_saves_and_exits_130(workdir):
     """Ctrl-C reaches the whole process group: every worker saves, and the run ends with 130 so
-    that `python train.py --nprocs 2 ... && next-step` does not go on."""
+    that `python train.py --nprocs 2 ... && next-step` does not go on. The workers meet through
+    --init-method file (a new file for the launch, in the output folder), gone afterwards."""
     run = subprocess.Popen([sys.executable, TRAIN, "--no-progress", "--nprocs", "2", "--epochs",
-                            "1000", "--log-every", "1"], cwd=workdir, env=child_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)  # a terminal's process group of its own
+                            "1000", "--log-every", "1", "--init-method", "file"], cwd=workdir,
+                           env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)  # a terminal's process group
     for line in run.stdout:
         if " step " in line:
             break
@@ -85,17 +90,28 @@ def test_ctrl_c_under_spawn_saves_and_exits_130(workdir):
     out, err = run.communicate(timeout=60)
     assert run.returncode == 130, err
     assert "stopped by SIGINT at step" in out and "error:" not in err, err
-    assert list((workdir / "checkpoints").glob("ckpt_step*"))
+    saved = list_checkpoints(workdir / "checkpoints")
+    assert saved and read_meta(saved[0])["world_size"] == 2
+    leftovers = [p for p in workdir.rglob("*store*") if p.is_file()]
+    assert not leftovers, f"rendezvous files left behind: {leftovers}"
 
 
-@pytest.mark.parametrize("use_env", [False, True], ids=["local-rank-flag", "use-env"])
-def test_legacy_launch(workdir, use_env):
+def test_legacy_launch(workdir):
+    """It passes --local-rank. (With --use-env it passes LOCAL_RANK instead: its processes then
+    see exactly what torchrun's do, which every torchrun run here shows.) Its processes meet
+    through a file whose path has a space, accents and a % (a path, not a URL), gone afterwards.
+    (--init-method file: test_ctrl_c_under_spawn_saves_and_exits_130. A tcp:// URL is the TCP
+    store every spawn run meets at: test_distributed reads the URL in-process, test_mistakes and
+    test_network run it, where no store answers and across hosts.)"""
+    store = workdir / "my dé jà 100%" / "store"
     cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node=2",
-           f"--master-port={find_free_port()}", *(["--use-env"] if use_env else []), TRAIN,
-           "--no-progress", *QUICK]
+           f"--master-port={find_free_port()}", TRAIN, "--no-progress", *QUICK,
+           "--init-method", str(store)]
     ok(run_cmd(cmd, workdir))
     done = summary(workdir / "runs/latest")
-    assert done["world_size"] == 2 and done["launcher"] == ("torchrun" if use_env else "launch")
+    assert done["world_size"] == 2 and done["launcher"] == "launch"
+    leftovers = [p for p in workdir.rglob("*store*") if p.is_file()]
+    assert store.parent.is_dir() and not leftovers, f"rendezvous files left behind: {leftovers}"
 
 
 def two_nodes(args: list[str], workdir: Path, bin_dir: Path, restarts: int) -> list:
@@ -138,15 +154,6 @@ def test_two_torchrun_nodes_on_localhost(workdir, bin_dir):
             and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("method", ["tcp://127.0.0.1:{port}", "file", "{tmp}/my dé jà 100%/store"])
-def test_init_methods_under_spawn(workdir, method):
-    method = method.format(port=find_free_port(), tmp=workdir)
-    ok(python_train(["--nprocs", "2", *QUICK, "--init-method", method], workdir))
-    assert summary(workdir / "runs/latest")["world_size"] == 2
-    leftovers = [p for p in workdir.rglob("*store*") if p.is_file()]
-    assert not leftovers, f"rendezvous files left behind: {leftovers}"
-
-
 def test_stale_store_file_is_refused(workdir):
     stale = write_store_file(workdir / "store", key="of a run that was killed")
     an_hour_ago = time.time() - 3600
@@ -159,11 +166,7 @@ def test_stale_store_file_is_refused(workdir):
     assert stale.exists(), "the user's file is reported, not deleted behind their back"
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--nprocs", "2"], "--nprocs starts processes itself"),
-    (["--epochs", "x"], "--epochs: invalid integer value"),
-])
-def test_an_error_every_rank_finds_is_printed_though_local_rank_0_is_late(workdir, args, says):
+def test_an_error_every_rank_finds_is_printed_though_local_rank_0_is_late(workdir):
     """On a loaded machine local rank 0 can reach the error seconds after rank 1; rank 1 must
     not exit first (torchrun would stop rank 0 before its line is out)."""
     slow = workdir / "slow_rank_0"
@@ -171,7 +174,20 @@ def test_an_error_every_rank_finds_is_printed_though_local_rank_0_is_late(workdi
     (slow / "sitecustomize.py").write_text(
         "import os, time\nif os.environ.get('LOCAL_RANK') == '0':\n    time.sleep(4)\n")
     pythonpath = os.pathsep.join([str(slow), str(PROJECT_ROOT)])
-    assert says in one_error(torchrun([*args, *QUICK], workdir, PYTHONPATH=pythonpath))
+    result = torchrun(["--nprocs", "2", *QUICK], workdir, PYTHONPATH=pythonpath)
+    assert "--nprocs starts processes itself" in one_error(result)
+
+
+def test_a_bad_flag_leaves_its_line_to_local_rank_0_as_the_errors_every_rank_finds_do(monkeypatch):
+    """argparse's errors go out the same way as the error of the run above (say_once_per_node,
+    which waits for local rank 0's line): shown here in-process, as local rank 1."""
+    said = []
+    monkeypatch.setattr(settings, "say_once_per_node", lambda *args: said.append(args))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--epochs", "x"], getattr(task, "Settings", None))
+    assert exc.value.code == 2 and len(said) == 1 and said[0][1] == 1, said
+    assert "--epochs: invalid integer value" in said[0][0], said
 
 
 def test_a_silent_rank_waits_a_bounded_time_for_a_local_rank_0_that_never_prints(workdir):

@@ -89,7 +89,7 @@ def reference(tmp_path_factory) -> dict:
     return final_model(workdir / "checkpoints")
 
 
-# Rank 1 killed after the first checkpoints: test_torchrun_restarts_a_killed_worker_and_finishes.
+# Rank 1 killed, torchrun restarting it: test_torchrun_restarts_a_killed_worker_and_finishes.
 @pytest.mark.parametrize("kill_after, rank", [
     pytest.param(20, 0, marks=pytest.mark.quick),  # the default tier's real kill and resume
     ], ids=["mid-epoch-rank0"])
@@ -106,21 +106,39 @@ def test_sigkill_then_resume_is_bit_for_bit(workdir, reference, kill_after, rank
     assert_same_model(reference, final_model(workdir / "checkpoints"))
 
 
-@pytest.mark.skipif(DEFAULT_MODEL_LAYOUT == "fsdp", reason="fsdp has no DDP comm hooks")
-def test_powersgd_state_is_checkpointed_and_a_killed_run_resumes_bit_for_bit(workdir):
-    """PowerSGD's error feedback (each rank's) and its factors go into every checkpoint, and a
-    run SIGKILLed mid-run resumes with them to the uninterrupted run's weights bit for bit,
-    though its DDP's first step has one bucket of everything where the first run had several. A
-    resume that starts PowerSGD afresh ends elsewhere."""
-    hook = ["--comm-hook", "powersgd", "--powersgd-warmup-steps", "3", "--bucket-cap-mb", "0.01"]
-    ok(torchrun([*FLAGS[1:], *hook, "--checkpoint-dir", "uninterrupted"], workdir))
-    reference = final_model(workdir / "uninterrupted")
-    job = start_torchrun(workdir, *hook)
+POWERSGD = ["--comm-hook", "powersgd", "--powersgd-warmup-steps", "3", "--bucket-cap-mb", "0.01"]
+
+
+def test_torchrun_restarts_a_killed_worker_and_finishes(workdir, request):
+    """As scripts/train_local.sh runs torchrun, which restarts only for what a restart cures: the
+    restarted workers resume from the newest checkpoint and end with the uninterrupted run's
+    weights bit for bit. With DDP (fsdp has no comm hooks) both runs use PowerSGD, whose state
+    the checkpoints must hold for that: check_powersgd_state."""
+    hook = [] if DEFAULT_MODEL_LAYOUT == "fsdp" else POWERSGD
+    if hook:
+        ok(torchrun([*FLAGS[1:], *hook, "--checkpoint-dir", "uninterrupted"], workdir))
+        expected = final_model(workdir / "uninterrupted")
+    else:
+        expected = request.getfixturevalue("reference")
+    job = start_torchrun(workdir, *hook, restarts=2, quietly=True)
     wait_for_checkpoint(workdir / "checkpoints", 20)
     os.kill(workers(job.pid)[1], signal.SIGKILL)
-    job.communicate(timeout=120)
-    newest = list_checkpoints(workdir / "checkpoints")[0]
-    state = torch.load(newest, weights_only=True)
+    out, err = job.communicate(timeout=240)
+    assert job.returncode == 0, err
+    assert "resumed from" in out
+    done = summary(workdir / "runs/latest")
+    assert done["steps"] == LAST_STEP and done["resumed_from"]
+    assert_same_model(expected, final_model(workdir / "checkpoints"))
+    if hook:
+        check_powersgd_state(workdir, workdir / done["resumed_from"], expected)
+
+
+def check_powersgd_state(workdir: Path, resumed_from: Path, expected: dict) -> None:
+    """PowerSGD's error feedback (each rank's) and its factors are in the checkpoint the restarted
+    workers resumed from (bit for bit, though their DDP's first step has one bucket of everything
+    where the first run had several). A resume from it that starts PowerSGD afresh ends
+    elsewhere."""
+    state = torch.load(resumed_from, weights_only=True)
     assert state["step"] < LAST_STEP, "the run finished before the kill"
     assert state["comm_hook"]["iter"] == state["step"]  # one exchange a step
     assert state["comm_hook"]["values"].shape[0] == 2  # both ranks' error feedback
@@ -128,25 +146,10 @@ def test_powersgd_state_is_checkpointed_and_a_killed_run_resumes_bit_for_bit(wor
     fresh = workdir / "fresh"
     fresh.mkdir()
     del state["comm_hook"]
-    torch.save(state, fresh / newest.name)
-    for checkpoints in ("checkpoints", "fresh"):
-        ok(torchrun([*FLAGS[1:], *hook, "--checkpoint-dir", checkpoints], workdir))
-    assert_same_model(reference, final_model(workdir / "checkpoints"))
-    afresh = final_model(workdir / "fresh")
-    assert not all(torch.equal(afresh[k], reference[k]) for k in reference)
-
-
-def test_torchrun_restarts_a_killed_worker_and_finishes(workdir, reference):
-    """As scripts/train_local.sh runs torchrun, which restarts only for what a restart cures."""
-    job = start_torchrun(workdir, restarts=2, quietly=True)
-    wait_for_checkpoint(workdir / "checkpoints", 8)
-    os.kill(workers(job.pid)[1], signal.SIGKILL)
-    out, err = job.communicate(timeout=240)
-    assert job.returncode == 0, err
-    assert "resumed from" in out
-    done = summary(workdir / "runs/latest")
-    assert done["steps"] == LAST_STEP and done["resumed_from"]
-    assert_same_model(reference, final_model(workdir / "checkpoints"))
+    torch.save(state, fresh / resumed_from.name)
+    ok(torchrun([*FLAGS[1:], *POWERSGD, "--checkpoint-dir", "fresh"], workdir))
+    afresh = final_model(fresh)
+    assert not all(torch.equal(afresh[k], expected[k]) for k in expected)
 
 
 def descendants(pid: int) -> list[int]:
@@ -175,44 +178,51 @@ def blocked_signals(pid: int) -> int:
     return -1
 
 
+def assert_data_workers_hold_stop_signals(job: subprocess.Popen) -> None:
+    """Each rank's forkserver (and the data workers it forks) holds SIGTERM and SIGUSR1 blocked:
+    a signal to every process leaves the stop to the training process."""
+    servers = {pid: blocked_signals(pid) for pid in descendants(job.pid)
+               if b"multiprocessing.forkserver" in read_proc(pid, "cmdline")}
+    assert len(servers) >= 2, servers
+    stops = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGUSR1 - 1))
+    assert all(mask & stops == stops for mask in servers.values() if mask >= 0), servers
+
+
+def stopped_cleanly(job: subprocess.Popen, name: str, checkpoints: Path, last_step: int) -> int:
+    """Wait for a job stopped by signal `name`; the step it stopped and saved at."""
+    out, err = job.communicate(timeout=120)
+    assert f"stopped by {name} at step" in out, err
+    stopped_at = int(out.split(f"stopped by {name} at step ")[1].split(":")[0])
+    assert newest_step(checkpoints) == stopped_at < last_step
+    assert "{{ cookiecutter.package_name }}/" not in err, err
+    # The workers exit with 128 + the signal; torchrun does not pass that through: it exits 1
+    # (stopped itself, or its workers exited non-zero).
+    assert job.returncode == 1, err
+    return stopped_at
+
+
 @pytest.mark.parametrize("how", ["SIGUSR1-to-workers", "SIGINT-to-all",
-                                 "SIGTERM-to-torchrun-data-workers",
-                                 "SIGUSR1-to-every-process-data-workers"])
-def test_preemption_signal_saves_and_exits_cleanly(workdir, reference, how):
-    """With data workers too: torchrun signals each training process's whole process group, and
-    SLURM every process of the step, so the workers get the signal as well. They leave it to the
-    training process (which needs them for the batches up to its next log step, where it saves)."""
+                                 "SIGTERM-to-torchrun-data-workers"])
+def test_preemption_signal_saves_and_exits_cleanly(workdir, how):
+    """With data workers too: torchrun signals each training process's whole process group, so
+    the workers get the signal as well. They leave it to the training process (which needs them
+    for the batches up to its next log step, where it saves). SLURM's signal to every process of
+    the step, and the resume from the checkpoint a stop saves, bit for bit:
+    test_per_sample_workers_with_random_augmentation_resume_bit_for_bit."""
     workers_flags = ["--num-workers", "2"] if how.endswith("data-workers") else []
     job = start_torchrun(workdir, "--log-every", "2", *workers_flags)
     wait_for_checkpoint(workdir / "checkpoints", 12)
-    if workers_flags:  # each rank's forkserver and the workers it forked hold them blocked
-        servers = {pid: blocked_signals(pid) for pid in descendants(job.pid)
-                   if b"multiprocessing.forkserver" in read_proc(pid, "cmdline")}
-        assert len(servers) >= 2, servers
-        stops = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGUSR1 - 1))
-        assert all(mask & stops == stops for mask in servers.values() if mask >= 0), servers
+    if workers_flags:
+        assert_data_workers_hold_stop_signals(job)
     name = how.split("-")[0]
     if how.startswith("SIGTERM-to-torchrun"):
         os.kill(job.pid, signal.SIGTERM)  # torchrun forwards it to its workers
     elif how == "SIGUSR1-to-workers":
         for pid in workers(job.pid).values():  # SLURM's --signal reaches every task
             os.kill(pid, signal.SIGUSR1)
-    elif how.startswith("SIGUSR1-to-every-process"):
-        for pid in descendants(job.pid):  # what `scancel --signal` does: every process
-            os.kill(pid, signal.SIGUSR1)
     else:
         os.killpg(job.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole process group
-    out, err = job.communicate(timeout=120)
-    assert f"stopped by {name} at step" in out, err
-    stopped_at = int(out.split(f"stopped by {name} at step ")[1].split(":")[0])
-    assert newest_step(workdir / "checkpoints") == stopped_at < LAST_STEP
-    assert "{{ cookiecutter.package_name }}/" not in err, err
-    # The workers exit with 128 + the signal; torchrun does not pass that through: it exits 1
-    # (stopped itself, or its workers exited non-zero).
-    assert job.returncode == 1, err
-    if how in ("SIGINT-to-all", "SIGUSR1-to-every-process-data-workers"):  # one of each kind
-        ok(torchrun(FLAGS[1:], workdir))
-        assert_same_model(reference, final_model(workdir / "checkpoints"))
+    stopped_cleanly(job, name, workdir / "checkpoints", LAST_STEP)
 
 
 def test_a_second_ctrl_c_exits_at_once(workdir):
@@ -253,27 +263,23 @@ def test_a_stop_signal_during_start_up_exits_cleanly(workdir):
     assert "Traceback" not in err and "error:" not in err
 
 
-def test_truncated_newest_checkpoint_falls_back_to_the_previous(workdir):
-    small = ["--dataset-size", "256", "--hidden-size", "16"]
-    ok(torchrun([*small, "--epochs", "2"], workdir))  # checkpoints at steps 4 and 8
-    newest = workdir / "checkpoints" / ckpt_name(8)
-    damaged = newest / ".metadata" if newest.is_dir() else newest
-    damaged.write_bytes(damaged.read_bytes()[:1000])  # as if the machine died during a copy
-    result = ok(torchrun([*small, "--epochs", "3"], workdir))
-    assert "warning: skipping unreadable checkpoint" in result.stderr
-    done = summary(workdir / "runs/latest")
-    assert done["resumed_from"].endswith(ckpt_name(4)) and done["steps"] == 12
-
-
-def test_mid_epoch_checkpoint_resumes_with_another_world_size(workdir):
+def test_truncated_newest_checkpoint_falls_back_to_a_mid_epoch_one_of_another_world_size(workdir):
+    """A run of 1 process whose newest checkpoint is cut short, as if the machine died during a
+    copy: 2 processes resume from the one before (rank 0 chooses it, both load it), which is part
+    way through an epoch, and go on after the samples it had seen."""
     args = ["--dataset-size", "512", "--batch-size", "16", "--hidden-size", "16", "--epochs", "2"]
-    ok(torchrun([*args, "--max-steps", "20"], workdir))
-    # 16 steps an epoch with 2 ranks: step 20 is 4 batches (128 samples) into the second epoch.
-    result = ok(python_train(args, workdir))
-    assert "continuing epoch 1 after 128 of the 128 samples already seen" in result.stderr
+    ok(python_train([*args, "--save-every-steps", "4", "--max-steps", "40"], workdir))
+    newest = workdir / "checkpoints" / ckpt_name(40)
+    damaged = newest / ".metadata" if newest.is_dir() else newest
+    damaged.write_bytes(damaged.read_bytes()[:1000])
+    result = ok(torchrun(args, workdir))
+    assert "warning: skipping unreadable checkpoint" in result.stderr
+    # 32 steps an epoch on 1 process: step 36 is 4 batches (64 samples) into the second epoch.
+    assert "continuing epoch 1 after 64 of the 64 samples already seen" in result.stderr
     done = summary(workdir / "runs/latest")
-    assert done["world_size"] == 1 and done["epochs_completed"] == 2
-    assert done["steps"] == 20 + (32 - 8)  # the rest of the epoch in batches of 16 on one rank
+    assert done["resumed_from"].endswith(ckpt_name(36))
+    assert done["world_size"] == 2 and done["epochs_completed"] == 2
+    assert done["steps"] == 36 + (16 - 2)  # the rest of the epoch in batches of 2 x 16
 
 
 UNEVEN = """
@@ -342,7 +348,8 @@ def test_sigkill_during_a_background_save_leaves_a_loadable_newest_checkpoint(wo
     kill_all(job)
     newest = list_checkpoints(workdir / "checkpoints")[0]
     assert read_meta(newest)["step"] >= 6
-    result = ok(torchrun([*FLAGS[1:], "--max-steps", "1"], workdir))
+    # Loaded by 1 process (its loading is all that is checked here): every rank's part of it.
+    result = ok(python_train([*FLAGS[1:], "--max-steps", "1"], workdir))
     assert f"resumed from checkpoints/{newest.name}" in result.stdout
 
 
@@ -380,20 +387,29 @@ if __name__ == "__main__":  # data workers import this file too (they start from
 
 
 def test_per_sample_workers_with_random_augmentation_resume_bit_for_bit(workdir):
+    """a is never interrupted. b is stopped by SIGUSR1 to every process (what `scancel --signal`
+    does: the data workers get it too), resumed, SIGKILLed mid-epoch and resumed again: it ends
+    with a's weights bit for bit, each data worker's random noise included."""
     script = workdir / "per_sample.py"
     script.write_text(PER_SAMPLE)
-    flags = [*FLAGS, "--num-workers", "2", "--epochs", "2"]
+    flags = [*FLAGS, "--num-workers", "2", "--epochs", "2"]  # 32 steps
 
-    def start(folder: str) -> subprocess.Popen:
-        return subprocess.Popen([*torchrun_cmd(2), str(script), *flags, "--checkpoint-dir", folder],
-                                cwd=workdir, env=child_env(), stdout=subprocess.PIPE,
+    def start(folder: str, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen([*torchrun_cmd(2), str(script), *flags, "--checkpoint-dir", folder,
+                                 *extra], cwd=workdir, env=child_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
 
     uninterrupted = start("a")
     out, err = uninterrupted.communicate(timeout=240)
     assert uninterrupted.returncode == 0, err
+    job = start("b", "--log-every", "2")  # a stop saves at the next log step
+    wait_for_checkpoint(workdir / "b", 12)
+    assert_data_workers_hold_stop_signals(job)
+    for pid in descendants(job.pid):
+        os.kill(pid, signal.SIGUSR1)
+    stopped_at = stopped_cleanly(job, "SIGUSR1", workdir / "b", 32)
     job = start("b")
-    wait_for_checkpoint(workdir / "b", 20)  # mid-epoch: 16 steps an epoch
+    wait_for_checkpoint(workdir / "b", max(20, stopped_at + 1))  # mid-epoch: 16 steps an epoch
     kill_all(job)
     resumed = start("b")
     out, err = resumed.communicate(timeout=240)

@@ -69,33 +69,32 @@ def test_two_process_training_learns_and_leaves_its_files(workdir):
     assert all((workdir / "runs/latest" / n).read_bytes() == b for n, b in files.items())
 
 
-def test_runs_with_names_keep_their_own_outputs_and_resume_their_own_checkpoints(workdir):
-    for name in ("a", "b"):
-        ok(torchrun([*SMALL, "--epochs", "1", "--run-name", name], workdir))
-    resumed = ok(torchrun([*SMALL, "--epochs", "2", "--run-name", "a"], workdir))
-    assert f"resumed from checkpoints/a/{ckpt_name(16)}" in resumed.stdout
-    assert summary(workdir / "runs/a")["steps"] == 32 and summary(workdir / "runs/b")["steps"] == 16
-    assert [p.name for p in list_checkpoints(workdir / "checkpoints/b")] == [ckpt_name(16)]
-
-
-def test_resume_mid_epoch_matches_an_uninterrupted_run(workdir):
-    ok(torchrun([*SMALL, "--epochs", "2", "--output-dir", "a/runs", "--checkpoint-dir", "a/ck"],
-                workdir))
-    # Stop at step 21 (5 batches into the second epoch, between log steps), then resume. b also
-    # checkpoints activations, which changes what is kept for the backward, not what it computes.
-    b = [*SMALL, "--epochs", "2", "--output-dir", "b/runs", "--checkpoint-dir", "b/ck",
-         "--activation-checkpointing"]
+def test_named_runs_keep_their_own_files_and_one_resumed_mid_epoch_matches_the_other(workdir):
+    """Two runs with --run-name side by side, each with its own outputs and checkpoints: a, never
+    interrupted, and b, stopped at step 21 (5 batches into the second epoch, between log steps)
+    and resumed from its own checkpoint, not a's newer one. b also checkpoints activations, which
+    changes what is kept for the backward, not what it computes: it ends with a's weights."""
+    ok(torchrun([*SMALL, "--epochs", "2", "--run-name", "a"], workdir))
+    b = [*SMALL, "--epochs", "2", "--run-name", "b", "--activation-checkpointing"]
     ok(torchrun([*b, "--max-steps", "21"], workdir))
-    stopped, last_log = summary(workdir / "b/runs"), read_metrics(workdir / "b/runs")[-1]
+    stopped, last_log = summary(workdir / "runs/b"), read_metrics(workdir / "runs/b")[-1]
     assert stopped["steps"] == last_log["step"] == 21
     assert stopped["final_loss"] == last_log["loss"]
     resumed = ok(torchrun(b, workdir))
-    assert "resumed from" in resumed.stdout and "max_steps: 21 -> 0" in resumed.stdout
+    assert f"resumed from checkpoints/b/{ckpt_name(21)}" in resumed.stdout
+    assert "max_steps: 21 -> 0" in resumed.stdout
 
-    done = summary(workdir / "b/runs")
+    done = summary(workdir / "runs/b")
     assert done["resumed_from"].endswith(ckpt_name(21)) and done["steps"] == 32
-    assert [m["step"] for m in read_metrics(workdir / "b/runs")][-2:] == [30, 32]
-    assert_same_model(final_model(workdir / "a/ck"), final_model(workdir / "b/ck"))
+    assert [m["step"] for m in read_metrics(workdir / "runs/b")][-2:] == [30, 32]
+    untouched = summary(workdir / "runs/a")
+    assert untouched["steps"] == 32 and untouched["resumed_from"] is None
+    assert [p.name for p in list_checkpoints(workdir / "checkpoints/a")] == \
+        [ckpt_name(s) for s in (32, 16)]
+    assert [p.name for p in list_checkpoints(workdir / "checkpoints/b")] == \
+        [ckpt_name(s) for s in (32, 21, 16)]
+    checkpoints = workdir / "checkpoints"
+    assert_same_model(final_model(checkpoints / "a"), final_model(checkpoints / "b"))
 
 
 def test_unreadable_resume_path_is_one_error_line(workdir):
@@ -105,47 +104,41 @@ def test_unreadable_resume_path_is_one_error_line(workdir):
     assert f"--resume {bad}" in line and "not a complete checkpoint" not in line
 
 
-def test_local_script_trains_with_the_chosen_launcher(workdir, bin_dir):
+def test_local_script_trains_with_the_chosen_launcher_then_fine_tunes(workdir, bin_dir):
     """The README's script, run from another folder: its relative paths are read from there. Then
-    the same command with a wider model, which the checkpoint it left does not fit: one line
-    within seconds (checked before any process starts), not one per process and restart."""
-    command = ["bash", str(PROJECT_ROOT / "scripts/train_local.sh"), *SMALL, "--no-progress",
-               "--epochs", "1", "--output-dir", "runs", "--checkpoint-dir=ck"]
-    env = {"PATH": path_with(bin_dir), "NPROC": "2", "PYTHON": sys.executable}
-    ok(run_cmd(command, workdir, **env))
+    what the script's check refuses in one line within seconds (before any process starts: not
+    one per process and restart), the checkpoints untouched: the same command with a wider model,
+    which the checkpoint does not fit; and, fine-tuning as a user does it, task.py now giving SGD
+    with momentum under the name of the checkpoint's AdamW. `--resume weights-only` then trains
+    from the weights."""
+    project = project_copy(workdir)
+    command = ["bash", str(project / "scripts/train_local.sh"), *SMALL, "--no-progress",
+               "--output-dir", "runs", "--checkpoint-dir=ck"]
+    env = {"PATH": path_with(bin_dir), "NPROC": "2", "PYTHON": sys.executable,
+           "PYTHONPATH": str(project)}
+    ok(run_cmd([*command, "--epochs", "1"], workdir, **env))
     done = summary(workdir / "runs")
     assert done["world_size"] == 2 and done["launcher"] == "{{ cookiecutter.launcher }}"
-    assert list_checkpoints(workdir / "ck")
+    before = list_checkpoints(workdir / "ck")
+    stamps = [path.stat().st_mtime_ns for path in before]
+    assert before
     started = time.monotonic()
-    result = run_cmd([*command, "--hidden-size", "96"], workdir, **env)
+    result = run_cmd([*command, "--epochs", "1", "--hidden-size", "96"], workdir, **env)
     assert "does not fit the model" in one_error(result) and result.returncode == 1
     assert time.monotonic() - started < 15 and "Traceback" not in result.stderr, result.stderr
 
-
-def test_fine_tuning_through_the_local_script(tmp_path, bin_dir):
-    """Fine-tuning as a user does it: task.py now gives SGD with momentum under the name of the
-    checkpoint's AdamW. The script's check says so in one line (no process, no restart), the
-    checkpoints untouched; `--resume weights-only` then trains from the weights."""
-    project = project_copy(tmp_path)
-    command = ["bash", str(project / "scripts/train_local.sh"), *SMALL, "--no-progress",
-               "--output-dir", "runs", "--checkpoint-dir", "ck"]
-    env = {"PATH": path_with(bin_dir), "NPROC": "2", "PYTHON": sys.executable,
-           "PYTHONPATH": str(project)}
-    ok(run_cmd([*command, "--max-steps", "2"], tmp_path, **env))
     task = project / "{{ cookiecutter.package_name }}/task.py"
     task.write_text(task.read_text() + "\n\ndef configure_optimizer(model, cfg):\n    return "
                     "torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)\n")
-    before = list_checkpoints(tmp_path / "ck")
-    stamps = [path.stat().st_mtime_ns for path in before]
-    result = run_cmd([*command, "--max-steps", "4"], tmp_path, **env)
+    result = run_cmd([*command, "--epochs", "2"], workdir, **env)
     assert ("holds the optimizers (type, schedule) 'default' (AdamW, --lr-schedule); task.py "
             "gives 'default' (SGD, --lr-schedule); use --resume weights-only") in one_error(result)
     assert result.returncode == 1 and "world: " not in result.stdout, result.stdout
-    assert [path.stat().st_mtime_ns for path in list_checkpoints(tmp_path / "ck")] == stamps
-    tuned = ok(run_cmd([*command, "--max-steps", "3", "--resume", "weights-only"], tmp_path,
+    assert [path.stat().st_mtime_ns for path in list_checkpoints(workdir / "ck")] == stamps
+    tuned = ok(run_cmd([*command, "--max-steps", "3", "--resume", "weights-only"], workdir,
                        **env)).stdout
     assert f"--resume weights-only: the weights of {before[0]};" in tuned, tuned
-    assert summary(tmp_path / "runs")["steps"] == 3
+    assert summary(workdir / "runs")["steps"] == 3
 
 
 def test_a_mistake_the_processes_find_ends_the_local_script_at_once(workdir):
