@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import time
@@ -11,7 +12,12 @@ import torch
 from conftest import PROJECT_ROOT, child_env
 
 from {{ cookiecutter.package_name }}.checkpoint.export import export
-from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, load_checkpoint, write_file
+from {{ cookiecutter.package_name }}.checkpoint.files import (
+    list_checkpoints,
+    load_checkpoint,
+    unreadable,
+    write_file,
+)
 from {{ cookiecutter.package_name }}.checkpoint.folder import CheckpointDir, Staging
 from {{ cookiecutter.package_name }}.checkpoint.resume import pick_checkpoint
 from {{ cookiecutter.package_name }}.failures import RunFailure, UsageError
@@ -111,6 +117,20 @@ def test_unreadable_checkpoints_are_skipped_or_refused(tmp_path, capsys):
         pick_checkpoint(str(tmp_path), tmp_path)
     with pytest.raises(UsageError, match="a folder without a checkpoint's .metadata"):
         pick_checkpoint(str(tmp_path / "ckpt_step00000004"), tmp_path)
+
+
+def test_a_sharded_checkpoint_whose_metadata_is_cut_short_is_skipped(tmp_path, capsys):
+    """A DCP folder with both its files but a .metadata cut short (as a copy that stopped): not
+    resumable, so the resume falls back to the one before; read as opcodes, never unpickled."""
+    older, newer = tmp_path / "ckpt_step00000001", tmp_path / "ckpt_step00000002"
+    for folder in (older, newer):
+        folder.mkdir()
+        (folder / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
+        (folder / "meta.json").write_text('{"step": 1}')
+    (newer / ".metadata").write_bytes((newer / ".metadata").read_bytes()[:10])
+    assert "its .metadata is cut short" in unreadable(newer) and unreadable(older) is None
+    assert pick_checkpoint("auto", tmp_path) == older
+    assert capsys.readouterr().err.count("skipping unreadable checkpoint") == 1
 
 
 def test_arbitrary_objects_are_never_unpickled(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickletools
 import re
 import sys
 import tempfile
@@ -83,6 +84,12 @@ def unreadable(path: AnyPath, resuming: bool = False) -> str | None:
         return "empty: its save did not finish"
     if path.is_file() and not zipfile.is_zipfile(storage.local_copy(path)):
         return "not a checkpoint file: torch.save writes a zip archive; or one cut short"
+    if path.is_dir() and isinstance(path, Path):  # a bucket's objects are whole or absent
+        try:  # DCP's .metadata, read as opcodes: nothing is built
+            for _ in pickletools.genops((path / ".metadata").read_bytes()):
+                pass
+        except ValueError:
+            return "its .metadata is cut short (a copy that did not finish?)"
     try:
         keys = set(read_meta(path)) if path.is_dir() else set(load_checkpoint(path, mmap=True))
     except Exception as exc:
