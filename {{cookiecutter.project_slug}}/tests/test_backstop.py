@@ -180,7 +180,10 @@ def test_a_store_file_that_is_not_one_gives_a_safe_start_or_one_error(workdir, n
     if age == "old":
         os.utime(store, (time.time() - 7200, time.time() - 7200))
     run = Run(workdir)
-    proc = run.python(*FLAGS, "--nprocs", "2", "--init-method", str(store))
+    if content or age == "young":
+        proc = run.python(*FLAGS, "--nprocs", "2", "--init-method", str(store))
+    else:  # under torchrun: each launcher's normal run is checked below
+        proc = run.torchrun(*FLAGS, "--init-method", str(store))
     code, out = finish(proc, LIMIT_S)
     if content:
         assert code != 0 and len(error_lines(out)) == 1, out

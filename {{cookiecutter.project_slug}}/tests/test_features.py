@@ -1,7 +1,7 @@
 """Training features, each run for real with 2 gloo processes (one where a single process is the
 reference or the point): accumulation, schedule, exact evaluation, determinism, throughput and
-memory report, profiler, plots, torch.compile, doctor. Runs several tests check are shared
-through module fixtures."""
+memory report, profiler, plots, torch.compile, doctor. A run that several tests check is
+a module fixture."""
 
 from __future__ import annotations
 
@@ -117,48 +117,66 @@ def train_in(folder: Path, name: str, *flags: str) -> subprocess.CompletedProces
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory) -> Path:
-    """Runs several tests check: the default run (DDP options, distributed evaluation), the
-    same with the DDP options that must keep its bits and the throughput report and profiler
-    (these only watch), and PowerSGD (the hooks' closeness; its resumes)."""
+def runs(tmp_path_factory) -> Path:
+    """The folder of the runs below: each is made once, for the tests that check it."""
     skip_unless_example_task()
-    folder = tmp_path_factory.mktemp("features")
-    train_in(folder, "default")
-    result = train_in(folder, "options", *DDP_OPTIONS, "--step-times", "steps.json",
+    return tmp_path_factory.mktemp("features")
+
+
+@pytest.fixture(scope="module")
+def default_run(runs) -> Path:
+    """The default run: the DDP options' reference; its distributed evaluation."""
+    train_in(runs, "default")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def options_run(runs) -> Path:
+    """With the DDP options that must keep the default's bits, and the throughput report and
+    profiler (these only watch)."""
+    result = train_in(runs, "options", *DDP_OPTIONS, "--step-times", "steps.json",
                       "--profile-steps", "2:4")
-    (folder / "options.out").write_text(result.stdout)
-    if DDP_OPTIONS:
-        train_in(folder, "powersgd", *POWERSGD)
-    return folder
+    (runs / "options.out").write_text(result.stdout)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def powersgd_run(runs) -> Path:
+    """PowerSGD: the hooks' closeness, and its resumes."""
+    train_in(runs, "powersgd", *POWERSGD)
+    return runs
 
 
 @pytest.mark.skipif(DEFAULT_MODEL_LAYOUT == "fsdp", reason="fsdp does not use DDP")
-def test_ddp_options_give_the_default_result_and_hooks_stay_close(shared):
+def test_ddp_options_give_the_default_result_and_hooks_stay_close(default_run, options_run,
+                                                                  powersgd_run):
     """Bucket size, static graph and gradients as bucket views change how DDP exchanges the
     gradients, not what it computes: bit for bit the default's weights (one run with all three,
     and the throughput report and profiler, which only watch). The comm hooks change the
     numbers: fp16 and bf16 within 1 % of the default's validation loss, PowerSGD (rank 4 from
     step 4, several buckets) within 5 %; and each of them really ran (other weights)."""
+    runs = default_run  # (the folder of all three)
+
     def result(name: str) -> tuple[dict, float]:
-        return final_model(shared / name), summary(shared / f"r-{name}")["val_loss"]
+        return final_model(runs / name), summary(runs / f"r-{name}")["val_loss"]
 
     default, default_loss = result("default")
     assert_same_model(default, result("options")[0])
     for hook, tolerance in {"fp16": 0.01, "bf16": 0.01, "powersgd": 0.05}.items():
         if hook != "powersgd":
-            train_in(shared, hook, "--comm-hook", hook, "--bucket-cap-mb", "0.002")
+            train_in(runs, hook, "--comm-hook", hook, "--bucket-cap-mb", "0.002")
         model, loss = result(hook)
         assert not all(torch.equal(model[k], default[k]) for k in default), hook
         assert loss == pytest.approx(default_loss, rel=tolerance), hook
 
 
 @pytest.mark.skipif(DEFAULT_MODEL_LAYOUT == "fsdp", reason="fsdp does not use DDP")
-def test_powersgd_resumes_with_other_buckets_or_another_rank(shared, tmp_path):
+def test_powersgd_resumes_with_other_buckets_or_another_rank(powersgd_run, tmp_path):
     """Resumed with bigger buckets (the saved ones merge) or another --powersgd-rank (the
     factors change shape), PowerSGD goes on: its state is fitted to the new buckets, and new
     factors start where the old ones do not fit (a note says so). It resumes the DDP options
     test's PowerSGD run (several buckets, rank 4), at step 32."""
-    shutil.copytree(shared / "powersgd", tmp_path / "checkpoints")
+    shutil.copytree(powersgd_run / "powersgd", tmp_path / "checkpoints")
     hook = [*EVAL_SET, "--epochs", "3", *POWERSGD[:-2], "--log-every", "1000"]
     result = ok(torchrun([*hook, "--max-steps", "34"], tmp_path))
     assert "resumed from" in result.stdout and "note: PowerSGD" not in result.stdout
@@ -183,15 +201,15 @@ def test_warmup_cosine_schedule_clipping_and_weight_decay(workdir):
     assert state["optim"]["scheduler"]["last_epoch"] == 32 and state["config"]["clip_grad"] == 0.5
 
 
-def test_distributed_evaluation_equals_the_single_process_value(shared):
-    evals = read_metrics(shared / "r-default", "val_loss")
+def test_distributed_evaluation_equals_the_single_process_value(default_run):
+    evals = read_metrics(default_run / "r-default", "val_loss")
     assert [e["epoch"] for e in evals] == [0, 1]
-    reported = summary(shared / "r-default")
+    reported = summary(default_run / "r-default")
     cfg = parse_args(EVAL_SET, task.Settings)
     _, val = task.build_datasets(cfg)
     assert len(val) == 111
     model = task.build_model(cfg)
-    model.load_state_dict(final_model(shared / "default"))
+    model.load_state_dict(final_model(default_run / "default"))
     model.eval()
     fetcher = BatchFetcher(val, getattr(task, "collate", None))
     sums: dict[str, float] = {}
@@ -229,18 +247,18 @@ def test_another_seed_gives_another_model(seed_7, tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a), "another seed gave the same model"
 
 
-def test_throughput_memory_step_times_and_a_profile(shared):
+def test_throughput_memory_step_times_and_a_profile(options_run):
     """Reads the DDP options test's second run (it has --step-times and --profile-steps)."""
-    stdout = (shared / "options.out").read_text()
-    report = summary(shared / "r-options")
+    stdout = (options_run / "options.out").read_text()
+    report = summary(options_run / "r-options")
     assert report["samples_per_s"] > 0 and 0 < report["median_step_ms"] <= report["p90_step_ms"]
     assert report["checkpoint_stall_ms"] > 0 and len(report["peak_mem_mb"]) == 2
-    steps = json.loads((shared / "steps.json").read_text())
+    steps = json.loads((options_run / "steps.json").read_text())
     assert len(steps["step_ends"]) == 32 and steps["started_at"] < steps["step_ends"][0]
     assert 0 < report["time_to_first_step_s"] < report["wall_time_s"] + 60
     assert stdout.count("throughput:") == 1
     # The profiler: a trace of steps 2-4 on rank 0 only, with shapes.
-    traces = list((shared / "r-options/profile").glob("*.pt.trace.json"))
+    traces = list((options_run / "r-options/profile").glob("*.pt.trace.json"))
     assert len(traces) == 1 and stdout.count("profile of steps 2-4") == 1
     trace = json.loads(traces[0].read_text())
     names = {event.get("name", "") for event in trace["traceEvents"]}
@@ -271,8 +289,6 @@ def test_compile_trains(workdir):
 
 
 DOCTOR = [sys.executable, "-m", "{{ cookiecutter.package_name }}.doctor"]
-
-
 
 
 def test_doctor_under_torchrun(workdir):

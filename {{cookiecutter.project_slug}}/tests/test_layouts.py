@@ -33,7 +33,7 @@ from conftest import (
 
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.checkpoint.files import checkpoint_path
-from {{ cookiecutter.package_name }}.config import parse_args
+from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT, parse_args
 from {{ cookiecutter.package_name }}.data import BatchFetcher
 from {{ cookiecutter.package_name }}.failures import UsageError
 from {{ cookiecutter.package_name }}.parallel import (
@@ -154,16 +154,20 @@ def test_a_model_model_parallel_2_cannot_split_is_one_error_line(workdir):
 
 
 def test_bf16_autocast_learns_and_sync_bn_is_skipped_with_a_warning_on_cpu(workdir):
-    """One run for both options (they touch different things): bf16 autocast learns, and
-    --sync-bn warns once and keeps the BatchNorm's running statistics."""
+    """bf16 autocast learns, in the project's layout; --sync-bn (data_parallel's) warns once and
+    keeps the BatchNorm's running statistics. One run for both where the project's layout is
+    data_parallel (they touch different things), else one each."""
     norm = "batch_norm" in task.Settings.__dataclass_fields__
-    sync_bn = ["--batch-norm", "--sync-bn"] if norm else []
-    result = ok(torchrun([*QUICK, "--epochs", "2", "--precision", "bf16", *sync_bn,
-                          "--model-layout", "data_parallel"], workdir))
+    sync_bn = ["--batch-norm", "--sync-bn", "--model-layout", "data_parallel"] if norm else []
+    together = DEFAULT_MODEL_LAYOUT == "data_parallel"
+    result = ok(torchrun([*QUICK, "--epochs", "2", "--precision", "bf16",
+                          *(sync_bn if together else [])], workdir))
     losses = [m["loss"] for m in read_metrics(workdir / "runs/latest")]
     assert losses[-1] < losses[0]
     if not norm:
         pytest.skip("task.py has no --batch-norm setting (bf16 checked)")
+    if not together:
+        result = ok(torchrun([*QUICK, "--epochs", "2", *sync_bn, "--resume", "never"], workdir))
     assert result.stderr.count("warning: --sync-bn needs CUDA") == 1
     state = torch.load(workdir / "checkpoints/ckpt_step00000016.pt", weights_only=True)
     assert any(key.endswith("running_mean") for key in state["model"])
@@ -179,7 +183,7 @@ def test_fp16_on_cpu_is_one_error_line(workdir):
 MEMORY = """
 import torch, torch.distributed as dist
 import {{ cookiecutter.package_name }}.task as task
-from {{ cookiecutter.package_name }}.config import parse_args
+from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT, parse_args
 from {{ cookiecutter.package_name }}.data import BatchFetcher
 from {{ cookiecutter.package_name }}.parallel import parallelize
 from {{ cookiecutter.package_name }}.runtime.workarounds import exit_process
@@ -234,17 +238,24 @@ KILLABLE = sys.platform.startswith("linux")  # finds the workers through /proc
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """Two fsdp runs shared by the fsdp tests: a, never interrupted, and b, the same run with
-    --activation-checkpointing whose worker is SIGKILLed mid-run, mid-epoch (step 10 or later)
-    and restarted by torchrun (where /proc is missing: stopped at step 6 and resumed)."""
+def fsdp_a(tmp_path_factory) -> Path:
+    """The folder of the fsdp tests' runs, with a: an fsdp run never interrupted."""
     skip_unless_example_task()
     folder = tmp_path_factory.mktemp("fsdp")
     ok(torchrun([*FSDP, "--checkpoint-dir", "a", "--output-dir", "runs/a"], folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fsdp_b(fsdp_a) -> subprocess.CompletedProcess:
+    """b, in a's folder: the same run with --activation-checkpointing whose worker is SIGKILLed
+    mid-run, mid-epoch (step 10 or later) and restarted by torchrun (where /proc is missing:
+    stopped at step 6 and resumed)."""
+    folder = fsdp_a
     b = [*FSDP, "--checkpoint-dir", "b", "--output-dir", "runs/b", "--activation-checkpointing"]
     if not KILLABLE:
         ok(torchrun([*b, "--max-steps", "6"], folder))
-        return folder, ok(torchrun(b, folder))
+        return ok(torchrun(b, folder))
     job = subprocess.Popen([*torchrun_cmd(2, "--max-restarts=1"), TRAIN, "--no-progress", *b],
                            cwd=folder, env=child_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
@@ -254,12 +265,12 @@ def fsdp_runs(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     agent = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()
     os.kill(int(agent[1]), signal.SIGKILL)
     out, err = job.communicate(timeout=240)
-    return folder, subprocess.CompletedProcess(job.args, job.returncode, out, err)
+    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
 
 
 @needs_numpy
-def test_fsdp_trains_saves_sharded_and_resumes_on_one_and_two_ranks(fsdp_runs, tmp_path):
-    folder, _ = fsdp_runs
+def test_fsdp_trains_saves_sharded_and_resumes_on_one_and_two_ranks(fsdp_a, fsdp_b, tmp_path):
+    folder = fsdp_a
     done = summary(folder / "runs/a")
     assert done["model_layout"] == "fsdp" and done["steps"] == 24
     newest = folder / "a/ckpt_step00000024"
@@ -285,15 +296,15 @@ def test_fsdp_trains_saves_sharded_and_resumes_on_one_and_two_ranks(fsdp_runs, t
 
 @needs_numpy
 @pytest.mark.skipif(not KILLABLE, reason="finds the workers through /proc")
-def test_fsdp_worker_killed_mid_run_restarts_and_ends_bit_for_bit(fsdp_runs):
-    folder, killed = fsdp_runs
+def test_fsdp_worker_killed_mid_run_restarts_and_ends_bit_for_bit(fsdp_a, fsdp_b):
+    folder, killed = fsdp_a, fsdp_b
     assert killed.returncode == 0 and "resumed from" in killed.stdout, killed.stderr
     assert_same_model(final_model(folder / "a"), final_model(folder / "b"))
 
 
 @needs_numpy
-def test_fsdp_checkpoint_exports_to_the_plain_model(fsdp_runs, tmp_path):
-    folder, _ = fsdp_runs
+def test_fsdp_checkpoint_exports_to_the_plain_model(fsdp_a, tmp_path):
+    folder = fsdp_a
     out = tmp_path / "model.pt"
     ok(run_cmd([sys.executable, "-m", "{{ cookiecutter.package_name }}.checkpoint",
                 "export", str(folder / "a/ckpt_step00000024"), str(out)], PROJECT_ROOT))
@@ -344,7 +355,7 @@ def test_async_save_trains_on_while_writing_and_reports_the_stall(workdir, layou
     # Each background save wrote the state of its own step (the staging copy is reused): the
     # same as the synchronous run's checkpoints (fsdp's is run a of the fsdp tests).
     if layout == "fsdp":
-        sync = request.getfixturevalue("fsdp_runs")[0] / "a"
+        sync = request.getfixturevalue("fsdp_a") / "a"
     else:
         sync = workdir / "sync"
         ok(torchrun([*flags, "--checkpoint-dir", "sync", "--output-dir", "sync-runs"], workdir))

@@ -110,9 +110,10 @@ def test_the_interface_is_the_one_that_routes_to_the_head(hosts):
     assert socket_interface_env("gloo", route_to("127.0.0.1"), "127.0.0.1", {}) == ({}, "")
 
 
-# Each job here starts the processes of two hosts, so each init method is one of them: file:// this
-# one, tcp:// the job that resumes after the head host dropped off, and torchrun's own (env://) the
-# others (the job restarted under --max-restarts checks its bits).
+# Each job here starts the processes of two hosts, so each init method is one of them: a store
+# file on the shared file system this one, tcp:// the job that resumes after the head host dropped
+# off, and torchrun's own (env://) the others (the job restarted under --max-restarts checks its
+# bits).
 def test_the_multinode_script_trains_across_hosts_bit_for_bit(hosts, workdir, bin_dir, reference):
     init = str(workdir / "shared" / "store")  # the hosts share this file system
     outputs = succeed(start_job(hosts, [*SMALL, "--init-method", init], workdir, bin_dir))

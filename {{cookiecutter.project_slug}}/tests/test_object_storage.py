@@ -107,7 +107,7 @@ def assert_no_secret(s3, outputs: list, folder: Path, prefix: str) -> None:
 # checkpoint (the file itself, or the folder's meta.json), and the whole job is killed while it
 # waits, as the machine is lost. A second machine resumes from the bucket and finishes with an
 # uninterrupted run's bits, keeping the last 2. data_parallel saves in the background here, fsdp in
-# the foreground (the failing-upload test below covers the other two).
+# the foreground (the failing-upload test below uploads in the other two ways, with no resume).
 @pytest.mark.parametrize("layout, extra", [("data_parallel", ["--async-save"]),
                                            pytest.param("fsdp", [], marks=needs_numpy)],
                          ids=["data_parallel-async", "fsdp"])

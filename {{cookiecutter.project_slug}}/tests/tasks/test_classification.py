@@ -93,10 +93,12 @@ def test_the_local_scripts_check_reads_the_images_from_where_it_was_run(workdir,
     script itself from another folder.)"""
     write_image_folder(workdir / "images", 8)
     monkeypatch.chdir(PROJECT_ROOT)
-    launch = shlex.split(preflight(["--data", "images", "--epochs", "1"], caller=str(workdir)))
+    given = ["--data", "images", "--epochs", "1", "--output-dir", "runs", "--checkpoint-dir", "ck"]
+    launch = shlex.split(preflight(given, caller=str(workdir)))
     assert os.getcwd() == str(PROJECT_ROOT)
     flags = dict(zip(launch[1::2], launch[2::2], strict=False))
-    assert Path(flags["--data"]) == (workdir / "images").resolve()
+    for flag, where in (("--data", "images"), ("--output-dir", "runs"), ("--checkpoint-dir", "ck")):
+        assert Path(flags[flag]) == (workdir / where).resolve()
 
 
 def test_a_folder_without_class_folders_is_one_error_line(workdir):
