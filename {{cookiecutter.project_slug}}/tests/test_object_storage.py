@@ -139,8 +139,10 @@ def test_a_machine_lost_mid_upload_resumes_elsewhere_from_the_previous_checkpoin
         assert checkpoints(fs, prefix) == ["ckpt_step00000008.pt"]
     shutil.rmtree(first)  # the machine is gone, and every file it had
 
-    outputs.append(ok(torchrun(command, second, **s3.env())))
+    (second / "tmp").mkdir()  # where the checkpoint it resumes from is downloaded, then deleted
+    outputs.append(ok(torchrun(command, second, TMPDIR=str(second / "tmp"), **s3.env())))
     assert f"resumed from {url}/ckpt_step00000008" in outputs[1].stdout, outputs[1].stdout
+    assert not list((second / "tmp").glob("ckpt-download-*")), "a download left behind"
     if layout == "fsdp":  # the unfinished folder was skipped, then replaced by a complete one
         assert "skipping unreadable checkpoint" in outputs[1].stderr
     kept = [n for n in checkpoints(fs, prefix) if n.startswith("ckpt_step")]

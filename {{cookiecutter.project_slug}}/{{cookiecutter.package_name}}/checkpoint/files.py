@@ -86,8 +86,7 @@ def unreadable(path: AnyPath, resuming: bool = False) -> str | None:
         return "not a checkpoint file: torch.save writes a zip archive; or one cut short"
     if path.is_dir() and isinstance(path, Path):  # a bucket's objects are whole or absent
         try:  # DCP's .metadata, read as opcodes: nothing is built
-            for _ in pickletools.genops((path / ".metadata").read_bytes()):
-                pass
+            list(pickletools.genops((path / ".metadata").read_bytes()))
         except ValueError:
             return "its .metadata is cut short (a copy that did not finish?)"
     try:

@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from ..failures import RunFailure, UsageError, bounded
+from ..runtime.workarounds import CLEANUPS
 
 INSTALL = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
            "abfs": "adlfs", "abfss": "adlfs"}
@@ -232,6 +233,7 @@ def local_copy(path: AnyPath) -> Path:
         if _cache is None:
             _cache = tempfile.TemporaryDirectory(prefix="ckpt-download-")
             atexit.register(_cache.cleanup)
+            CLEANUPS.append(_cache.cleanup)  # training processes end without atexit's handlers
         target = Path(_cache.name) / str(len(_copies)) / path.name
         target.parent.mkdir(parents=True)
         path.fs.get(path.key, str(target), recursive=path.is_dir())

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from .torch_private import stop_restarts, wrap_agent_monitor
 
 UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN}  # a host that is gone
+CLEANUPS: list[Callable[[], object]] = []  # e.g. downloads to delete: exit_process runs them
 
 
 def exit_process(code: int) -> NoReturn:
@@ -30,7 +32,10 @@ def exit_process(code: int) -> NoReturn:
     group used by DDP outlives destroy_process_group), and releasing them needs the GIL of a dying
     interpreter. Upstream: https://github.com/pytorch/pytorch/issues/190489 (an atexit fix, #179291,
     was abandoned). Seen with torch 2.13 (gloo, 1 in 20-60 resumed runs under load). Cost: atexit
-    handlers do not run, so everything the project writes is closed explicitly first."""
+    handlers do not run: what the project writes is closed explicitly first, CLEANUPS run here."""
+    for cleanup in CLEANUPS:
+        with suppress(Exception):
+            cleanup()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
