@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -212,6 +213,15 @@ def project_copy(folder: Path, task: str | None = None) -> Path:
     if task is not None:
         (root / package / "task.py").write_text(task)
     return root
+
+
+def import_file(path: Path, name: str) -> ModuleType:
+    """A Python file that is not importable by its path (a script, a copy's task.py), imported
+    as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def assert_same_model(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:

@@ -4,15 +4,14 @@ project, and trains, evaluates and resumes exactly under torchrun with no other 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 from conftest import (
     assert_same_model,
     final_model,
+    import_file,
     load_state,
     needs_numpy,
     ok,
@@ -148,14 +147,6 @@ def test_a_task_of_dicts_trains_evaluates_and_resumes(custom_project, layout):
     assert lrs[-1] == pytest.approx(0.01 * 0.9 ** (steps // 10))  # StepLR, once a step
 
 
-def load_module(path: Path):
-    """The task.py of the copy, imported under a name of its own (the package's stays as is)."""
-    spec = importlib.util.spec_from_file_location("custom_task", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def dropout_of_the_run(project, output_dir: str, checkpoint_dir: str) -> float:
     config = json.loads((project / output_dir / "config.json").read_text())
     saved = load_state(list_checkpoints(project / checkpoint_dir)[0])["config"]["task"]["dropout"]
@@ -183,7 +174,9 @@ def test_a_setting_declared_in_task_py_alone_is_a_flag_everywhere(custom_project
     assert "dropout: 0.3 -> 0.2" in resumed.stdout
     # Wrong types get the same one-line errors as the project's flags (argument parsing, here:
     # what train.py does with them before anything starts).
-    settings = load_module(custom_project / "{{ cookiecutter.package_name }}/task.py").Settings
+    # (the copy's task.py under a name of its own: the package's task stays as it is)
+    settings = import_file(custom_project / "{{ cookiecutter.package_name }}/task.py",
+                           "custom_task").Settings
     (custom_project / "bad.toml").write_text('dropout = "high"\n')
     monkeypatch.chdir(custom_project)
 

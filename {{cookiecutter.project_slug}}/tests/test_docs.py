@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.launch
 import torch.distributed.run
-from conftest import PROJECT_ROOT, skip_unless_example_task
+from conftest import PROJECT_ROOT, import_file, skip_unless_example_task
 
 PACKAGE = next(p.parent for p in PROJECT_ROOT.glob("*/loop.py"))
 MARKDOWN = [PROJECT_ROOT / "README.md", *sorted((PROJECT_ROOT / "docs").glob("*.md"))]
@@ -178,10 +178,7 @@ def help_flags(main: Callable[[list[str]], object], *argv: str) -> set[str]:
 
 
 def script_main(name: str) -> Callable[[list[str]], object]:
-    spec = importlib.util.spec_from_file_location(f"docs_{name}", PROJECT_ROOT / "scripts" / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return import_file(PROJECT_ROOT / "scripts" / name, f"docs_{name}").main
 
 
 @pytest.fixture(scope="module")
