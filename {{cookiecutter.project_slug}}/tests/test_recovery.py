@@ -20,6 +20,7 @@ from conftest import (
     assert_same_model,
     child_env,
     ckpt_name,
+    descendants,
     final_model,
     ok,
     python_train,
@@ -150,16 +151,6 @@ def check_powersgd_state(workdir: Path, resumed_from: Path, expected: dict) -> N
     ok(torchrun([*FLAGS[1:], *POWERSGD, "--checkpoint-dir", "fresh"], workdir))
     afresh = final_model(fresh)
     assert not all(torch.equal(afresh[k], expected[k]) for k in expected)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`: the training processes, their data workers' forkserver and the
-    workers."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in map(int, (task / "children").read_text().split()):
-            found += [child, *descendants(child)]
-    return found
 
 
 def read_proc(pid: int, name: str) -> bytes:
