@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import (
     TRAIN,
     assert_same_model,
@@ -17,7 +19,6 @@ from conftest import (
     kill_a_worker_once_saved,
     needs_numpy,
     ok,
-    python_train,
     read_metrics,
     run_cmd,
     skip_unless_example_task,
@@ -82,24 +83,47 @@ def uninterrupted(tmp_path_factory) -> Path:
     return folder
 
 
+# train.py with plain SGD: AdamW divides each step by the gradient's own size, which hides
+# gradients summed over the ranks instead of averaged (pytorch#162338 reported such a sum); SGD
+# moves twice as far.
+WITH_SGD = """
+import torch
+import {{ cookiecutter.package_name }}.task as task
+from {{ cookiecutter.package_name }}.main import exit_process, main
+
+task.configure_optimizer = lambda model, cfg: torch.optim.SGD(model.parameters(), lr=cfg.lr)
+exit_process(main())
+"""
+
+
 @pytest.mark.full
 @needs_numpy
-def test_hsdp_trains_as_fsdp_and_data_parallel_do(uninterrupted, example_task):
-    """Same data, seed and global batch: only the order of the reductions differs. The
-    data_parallel reference is one process with the global batch (a batch is the same samples
-    at any world size with the same global batch: data.py)."""
-    curves = {"hsdp": read_metrics(uninterrupted / "runs/a")}
-    four = [*FLAGS, "--epochs", "4"]
-    ok(torchrun([*four, "--model-layout", "fsdp", "--output-dir", "runs/fsdp",
-                 "--checkpoint-dir", "fsdp"], uninterrupted, nproc=4))
-    ok(python_train([*four, "--batch-size", "64", "--model-layout", "data_parallel",
-                     "--output-dir", "runs/data_parallel", "--checkpoint-dir", "data_parallel"],
-                    uninterrupted))
-    for layout in ("fsdp", "data_parallel"):
-        curves[layout] = read_metrics(uninterrupted / f"runs/{layout}")
-        assert [r["step"] for r in curves[layout]] == [r["step"] for r in curves["hsdp"]]
-        for mine, theirs in zip(curves["hsdp"], curves[layout], strict=True):
-            assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-4), (layout, mine)
+def test_fsdp_and_hsdp_train_and_average_gradients_as_ddp_does(tmp_path, example_task):
+    """Plain SGD, the same data, seed and global batch (64): fsdp on 2 ranks and HSDP on 4 (2 x 2)
+    log a one-process data_parallel run's losses and end with its weights (a batch is the same
+    samples at any world size with the same global batch: data.py); only the order of the
+    reductions differs. Summed gradients would be that run with twice the learning rate (or more),
+    which the same comparison tells apart."""
+    script = tmp_path / "with_sgd.py"
+    script.write_text(WITH_SGD)
+
+    def run(name: str, nproc: int, batch: int, *args: str, lr: float = 0.05) -> tuple:
+        cmd = torchrun_cmd(nproc) if nproc > 1 else [sys.executable]
+        ok(run_cmd([*cmd, str(script), "--no-progress", *FLAGS, "--lr", str(lr),
+                    "--batch-size", str(batch), *args, "--checkpoint-dir", name,
+                    "--output-dir", f"runs/{name}"], tmp_path))
+        losses = [r["loss"] for r in read_metrics(tmp_path / f"runs/{name}")]
+        return losses, final_model(tmp_path / name)
+
+    def same(a: dict, b: dict) -> bool:
+        return all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+
+    curve, expected = run("one", 1, 64)
+    for name, nproc, batch in (("fsdp", 2, 32), ("hsdp", 4, 16)):
+        losses, weights = run(name, nproc, batch, "--model-layout", "fsdp",
+                              "--shard-group-size", "2")
+        assert losses == pytest.approx(curve, rel=1e-4) and same(weights, expected), name
+    assert not same(run("summed", 1, 64, lr=0.1)[1], expected)
 
 
 @pytest.mark.full

@@ -103,6 +103,18 @@ def test_ddps_reducer_exchanges_gradients_of_a_forward_around_it_or_one_error_li
         tp.ddp_backward(ddp)
 
 
+def test_fsdp_on_a_cpu_runs_or_one_error_line_naming_the_first_torch_with_it(monkeypatch):
+    if hasattr(torch.cpu.Stream, "record_event"):
+        tp.fsdp_on_cpu()
+        monkeypatch.delattr(torch.cpu.Stream, "record_event")
+    with pytest.raises(UsageError, match=f"--model-layout fsdp on a CPU needs .*{MISSING}; "
+                                         "install torch 2.7 or later"):
+        tp.fsdp_on_cpu()
+
+
+@pytest.mark.skipif(not hasattr(torch.cpu.Stream, "record_event"),
+                    reason=f"fsdp on a CPU needs torch 2.7 or later, not {torch.__version__} "
+                           "(its one error line: the test above)")
 def test_fsdp_units_keep_weights_for_a_graphs_backward_or_one_error_line(group, monkeypatch):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -111,13 +123,16 @@ def test_fsdp_units_keep_weights_for_a_graphs_backward_or_one_error_line(group, 
     mesh = init_device_mesh("cpu", (1,))
     units = [fully_shard(model[0], mesh=mesh), fully_shard(model, mesh=mesh)]
     tp.fsdp_for_own_step(model, units)
-    groups = [g for unit in units for g in unit._get_fsdp_state()._fsdp_param_groups]
-    assert groups and all(g.post_backward.__name__ == "run" for g in groups)
+    groups = [g for unit in units for g in tp.fsdp_param_groups(unit._get_fsdp_state())]
+    assert len(groups) == 2 and all(g.post_backward.__name__ == "run" for g in groups)
     x = torch.ones(2, 4, requires_grad=True)
     (grad,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)  # a gradient penalty
     grad.pow(2).sum().backward()  # its backward needs the weights still gathered
     assert model[0].weight.grad is not None and model[2].weight.grad is not None
-    monkeypatch.delattr(units[0]._get_fsdp_state(), "_fsdp_param_groups")
+    state = units[0]._get_fsdp_state()
+    for name in ("_fsdp_param_groups", "_fsdp_param_group"):  # torch 2.12 on, torch 2.6 to 2.11
+        if hasattr(state, name):
+            monkeypatch.delattr(state, name)
     with pytest.raises(UsageError, match=f"under --model-layout fsdp needs FSDP2's .*{MISSING}"):
         tp.fsdp_for_own_step(model, units)
 

@@ -1,8 +1,9 @@
-"""Every private PyTorch API the project uses, and only here: callers call plain functions. Each
-entry names what it reaches into and what a torch without it gets: a fallback that keeps the result
-right (said in a `note:` line) or one `error:` line naming the feature and the torch version. All
-are tested on torch 2.13.0 and 2.14.1 (the template's `make torch-range`, 2026-11-28), and each
-without its attribute (tests/test_torch_private.py)."""
+"""Every private PyTorch API the project uses, and every check of what one torch release lacks,
+only here: callers call plain functions. Each entry names what it reaches into, the releases that
+have it, and what a torch without it gets: a fallback that keeps the result right (said in a
+`note:` line) or one `error:` line naming the feature, the torch found and the first release with
+it. Checked on every release from 2.6.0 to 2.14.1 (the template's `make torch-range`, 2026-12-04),
+and each entry without its attribute (tests/test_torch_private.py)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from torch import nn
 from ..failures import UsageError
 
 
-def missing(feature: str, what: str) -> UsageError:
-    return UsageError(f"{feature} needs {what}, which torch {torch.__version__} lacks; install a "
-                      "torch of docs/configuration.md's \"Supported versions\"", everywhere=True)
+def missing(feature: str, what: str, first: str = "") -> UsageError:
+    since = f"torch {first} or later" if first else "a torch of docs/configuration.md's versions"
+    return UsageError(f"{feature} needs {what}, which torch {torch.__version__} lacks; install "
+                      f"{since}", everywhere=True)
 
 
 def note(what: str) -> bool:
@@ -97,17 +99,36 @@ def ddp_backward(ddp: nn.Module) -> Callable[[torch.Tensor], None]:
     return ready
 
 
+def fsdp_on_cpu() -> None:
+    """FSDP2 on a CPU records and waits on events of CPU streams (torch.cpu.Stream.record_event,
+    from torch 2.7: pytorch#145935). Torch 2.6 lacks it (with it stubbed, backward fails on an
+    in-place change): one error line. FSDP2 on CUDA does not need it."""
+    if not hasattr(torch.cpu.Stream, "record_event"):
+        raise missing("--model-layout fsdp on a CPU", "torch.cpu.Stream.record_event", "2.7")
+
+
+def fsdp_param_groups(state: Any) -> list[Any] | None:
+    """An FSDP2 unit's parameter groups: FSDPState._fsdp_param_groups (a list, from torch 2.12),
+    or _fsdp_param_group (one or None, torch 2.6 to 2.11). None where neither is."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_group"):
+        return [state._fsdp_param_group] if state._fsdp_param_group else []
+    return None
+
+
 def fsdp_for_own_step(model: nn.Module, units: list[nn.Module]) -> None:
     """A train_step of one's own under fsdp: the root unit initialised first (FSDPState._lazy_init);
     each unit's FSDPParamGroup.post_backward keeps its weights gathered after a backward building a
     graph (a gradient penalty's create_graph), for the backward through it. Missing: error line."""
     states = [getattr(unit, "_get_fsdp_state", lambda: None)() for unit in units]
-    groups = [g for s in states for g in getattr(s, "_fsdp_param_groups", None) or []]
-    if not (all(hasattr(s, "_lazy_init") and hasattr(s, "_fsdp_param_groups") for s in states)
+    found = [fsdp_param_groups(s) for s in states]
+    groups = [g for each in found for g in each or []]
+    if not (all(hasattr(s, "_lazy_init") for s in states) and None not in found
             and all(hasattr(g, "post_backward") and hasattr(g, "reshard_after_backward")
                     for g in groups)):
         raise missing("a train_step of one's own under --model-layout fsdp",
-                      "FSDP2's FSDPState._lazy_init and _fsdp_param_groups")
+                      "FSDP2's FSDPState._lazy_init and its parameter groups")
     model._get_fsdp_state()._lazy_init()  # the root is root, whichever unit runs first
     for group in groups:
         group.post_backward = _keep_gathered_for_graph(group, group.post_backward)
