@@ -4,10 +4,18 @@ parts add up to the 35 minutes `.ci/run` keeps to (with its install), so that a 
 part over it is named in the table every run ends with, for the next change to see what it costs.
 
 A part is a test file, or a test (a node id, parameters left off) that runs a generated project's
-own suite. Each test counts in the most specific part that names it."""
+own suite. Each test counts in the most specific part that names it.
+
+The seconds hold on a machine as fast as the one they were measured on: `.ci/run` first reads
+this machine's speed with ../shared/tools/calibrate.py (CALIBRATION_S, seconds of a fixed workload
+of Pythons importing torch and a 2-process gloo loop) and the table gives each part in those
+units too, beside the budget's units at CALIBRATION_S (the machine tests/README.md's run read)."""
 
 from __future__ import annotations
 
+import os
+
+CALIBRATION_S = 12.8  # calibrate.py where the budgets were measured (tests/README.md's run)
 INSTALL_S = 100  # .ci/run's apt and pip installs on a fresh machine
 BUDGET_S = {  # with INSTALL_S: 2,097 s, within the 2,100 s of 35 minutes
     "tests/test_generated_runs.py::test_the_projects_whole_suite_passes_in_the_venv": 850,
@@ -35,15 +43,31 @@ def part_of(nodeid: str) -> str:
 
 
 def table(seconds: dict[str, float]) -> list[str]:
-    """One line a part, slowest first: seconds, budget, and a note where it is over."""
+    """One line a part, slowest first: seconds, budget, and a note where it is over; with
+    CALIBRATION_S in the environment (.ci/run's reading), the same in calibration units."""
+    here = float(os.environ.get("CALIBRATION_S") or 0)
+
+    def units(spent: float, budget: float | None) -> str:
+        if not here:
+            return ""
+        allowed = "" if budget is None else f"{budget / CALIBRATION_S:5.1f} u"
+        return f"{spent / here:6.1f} u {allowed:>7}  "
+
+    # Over or not: against the budget scaled to this machine's speed, where it was read.
+    scale, scaled = (here / CALIBRATION_S, " (scaled to this machine)") if here else (1.0, "")
     lines = []
     for part, spent in sorted(seconds.items(), key=lambda item: -item[1]):
         budget = BUDGET_S.get(part)
-        over = ("" if budget is None or spent <= budget
-                else f"   over its budget by {spent - budget:.0f} s")
+        over = ("" if budget is None or spent <= budget * scale
+                else f"   over its budget by {spent - budget * scale:.0f} s{scaled}")
         lines.append(f"{spent:8.1f} s  {'' if budget is None else f'{budget:5d} s':>7}  "
+                     f"{units(spent, budget)}"
                      f"{part}{'   (no budget: add it to tests/budgets.py)' if budget is None else over}")
     total, budget = sum(seconds.values()), sum(BUDGET_S.get(part, 0) for part in seconds)
-    lines.append(f"{total:8.1f} s  {budget:5d} s  in all"
-                 + (f"   over by {total - budget:.0f} s" if total > budget else ""))
+    lines.append(f"{total:8.1f} s  {budget:5d} s  {units(total, budget)}in all"
+                 + (f"   over by {total - budget * scale:.0f} s{scaled}"
+                    if total > budget * scale else ""))
+    if here:
+        lines.append(f"(u: calibration units, this machine's {here:.2f} s; the budgets' machine "
+                     f"read {CALIBRATION_S:.2f} s)")
     return lines

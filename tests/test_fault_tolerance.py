@@ -40,7 +40,7 @@ def test_the_projects_torchft_tests_pass_in_a_fresh_venv(ft_project, capsys):
     result = check_ok(env.run([env.python, "-m", "pytest", "-q", "--full", "-s", "-p",
                                "no:cacheprovider", "tests/test_fault_tolerance.py"], project,
                               timeout=900))
-    assert re.search(r"\b14 passed\b", result.stdout), result.stdout
+    assert re.search(r"\b15 passed\b", result.stdout), result.stdout
     healed = re.search(r"group 1 killed at step .*", result.stdout)
     assert healed, result.stdout
     with capsys.disabled():
@@ -77,7 +77,14 @@ def test_the_slurm_script_runs_a_step_per_group_and_a_killed_one_heals(ft_projec
         group1 = (project / f"slurm-{job}-group1.out").read_text()
         assert info["JobState"] == "COMPLETED", f"{out}\n{group1}"
         assert "replica group 1 failed: starting it again" in out, out
-        assert re.search(r"healed from a live replica group: .* step \d+", group1), group1
+        # The restarted group joins at the live group's step: healed from it if the live one
+        # moved on meanwhile, else from its own checkpoint of that very step (torchft heals only
+        # a group that is behind: the live one may still be waiting out the lost group, 3 s).
+        healed = re.search(r"healed from a live replica group: .* step \d+", group1)
+        resumed = re.findall(r"resumed from \S+ \(epoch \d+, batch \d+, step (\d+)\)", group1)
+        joined = re.findall(r"torchft: step (\d+): 2 replica group\(s\) taking part", group1)
+        assert healed or (len(resumed) == 1 and joined and int(joined[-1]) == int(resumed[0]) + 1), \
+            group1
         assert "done: 2000 steps" in (project / f"slurm-{job}-group0.out").read_text()
         assert "Quorum" in (project / f"slurm-{job}-lighthouse.out").read_text()
         weights = [torch.load(max((project / f"checkpoints/group{g}").glob("ckpt_step*.pt")),

@@ -82,6 +82,15 @@ def test_without_torchft_the_error_gives_the_install_command(tmp_path):
     assert 'torchft is not installed: pip install -e ".[ft]"' in one_error(result)
 
 
+def test_torch_26_is_one_line_naming_torchfts_floor(monkeypatch):
+    """torchft 0.2 requires torch 2.7: on 2.6 (here pretended), one line before any work."""
+    from {{ cookiecutter.package_name }}.fault_tolerance import start_manager
+
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cu124")
+    with pytest.raises(UsageError, match=r"torchft needs torch 2.7 or later .* not torch 2.6.0"):
+        start_manager(None, None, "gloo", torch.device("cpu"), 5)
+
+
 def test_train_py_refuses_a_replica_groups_variables(tmp_path):
     """train.py would train an ordinary job without torchft: refused before anything starts."""
     result = run_cmd([sys.executable, TRAIN, "--no-progress"], tmp_path, timeout=120,

@@ -105,11 +105,12 @@ def test_ddps_reducer_exchanges_gradients_of_a_forward_around_it_or_one_error_li
 
 def test_fsdp_on_a_cpu_runs_or_one_error_line_naming_the_first_torch_with_it(monkeypatch):
     if hasattr(torch.cpu.Stream, "record_event"):
-        tp.fsdp_on_cpu()
+        tp.fsdp_on(torch.device("cpu"))
         monkeypatch.delattr(torch.cpu.Stream, "record_event")
+    tp.fsdp_on(torch.device("meta"))  # (CUDA streams have their own)
     with pytest.raises(UsageError, match=f"--model-layout fsdp on a CPU needs .*{MISSING}; "
                                          "install torch 2.7 or later"):
-        tp.fsdp_on_cpu()
+        tp.fsdp_on(torch.device("cpu"))
 
 
 @pytest.mark.skipif(not hasattr(torch.cpu.Stream, "record_event"),
@@ -123,7 +124,9 @@ def test_fsdp_units_keep_weights_for_a_graphs_backward_or_one_error_line(group, 
     mesh = init_device_mesh("cpu", (1,))
     units = [fully_shard(model[0], mesh=mesh), fully_shard(model, mesh=mesh)]
     tp.fsdp_for_own_step(model, units)
-    groups = [g for unit in units for g in tp.fsdp_param_groups(unit._get_fsdp_state())]
+    states = [unit._get_fsdp_state() for unit in units]
+    groups = [g for s in states for g in (s._fsdp_param_groups if hasattr(s, "_fsdp_param_groups")
+                                          else [s._fsdp_param_group])]  # torch 2.6 to 2.11
     assert len(groups) == 2 and all(g.post_backward.__name__ == "run" for g in groups)
     x = torch.ones(2, 4, requires_grad=True)
     (grad,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)  # a gradient penalty

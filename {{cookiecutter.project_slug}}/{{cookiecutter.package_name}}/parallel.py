@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from .config import Config
 from .data import move_to
 from .failures import UsageError, warn
-from .runtime.torch_private import compile_supported, fsdp_for_own_step, fsdp_on_cpu, uncompiled
+from .runtime.torch_private import compile_supported, fsdp_for_own_step, fsdp_on, uncompiled
 
 
 def model_blocks(model: nn.Module, task: Any) -> list[nn.Module] | None:
@@ -173,8 +173,7 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
     if importlib.util.find_spec("numpy") is None:
         raise UsageError("--model-layout fsdp saves checkpoints with torch.distributed.checkpoint, "
                          "which needs numpy: pip install numpy", everywhere=True)
-    if device.type == "cpu":
-        fsdp_on_cpu()
+    fsdp_on(device)
     model.to(device)
     replicas = dist.get_world_size() // shard
     # One dimension: plain fsdp. Two: HSDP, fully_shard replicates over the first and shards

@@ -77,13 +77,16 @@ def test_predict_continues_each_prompt(workdir):
     assert len(result.stdout) > len("the \ndata\n") + 40
 
 
-def test_the_gpt2_small_preset_is_124m_parameters_and_half_a_million_tokens_a_step():
+def test_the_gpt2_small_preset_is_124m_parameters_and_half_a_million_tokens_a_step(capsys):
     cfg = parse_args(["--config", str(PROJECT_ROOT / "configs/gpt2-small.toml"), "--model-layout",
                       "data_parallel"], task.Settings)
     assert cfg.batch_size * cfg.grad_accum * task.tokens_per_sample(cfg) == 524_288
     assert (cfg.precision, cfg.compile) == ("bf16", True)
     with torch.device("meta"):  # sizes only: no memory
         model = task.build_model(cfg)
+    # On a CPU it says at once that this is a GPU's work (a first step takes many minutes there).
+    said = "warning: a step is 448 TFLOP a process, a GPU's work (configs/gpt2-small.toml"
+    assert (said in capsys.readouterr().err) is not torch.cuda.is_available()
     assert model.head.weight is model.embed.weight
     params = sum(p.numel() for p in model.parameters())
     assert round(params / 1e6, 1) == 124.5  # nanoGPT's GPT-2 small with this vocabulary

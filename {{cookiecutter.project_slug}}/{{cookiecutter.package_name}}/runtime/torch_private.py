@@ -99,32 +99,24 @@ def ddp_backward(ddp: nn.Module) -> Callable[[torch.Tensor], None]:
     return ready
 
 
-def fsdp_on_cpu() -> None:
-    """FSDP2 on a CPU records and waits on events of CPU streams (torch.cpu.Stream.record_event,
-    from torch 2.7: pytorch#145935). Torch 2.6 lacks it (with it stubbed, backward fails on an
-    in-place change): one error line. FSDP2 on CUDA does not need it."""
-    if not hasattr(torch.cpu.Stream, "record_event"):
+def fsdp_on(device: torch.device) -> None:
+    """FSDP2 on a CPU waits on CPU streams' events: torch.cpu.Stream.record_event, from torch 2.7
+    (pytorch#145935; torch 2.6 with it stubbed fails in backward). Missing: one error line."""
+    if device.type == "cpu" and not hasattr(torch.cpu.Stream, "record_event"):
         raise missing("--model-layout fsdp on a CPU", "torch.cpu.Stream.record_event", "2.7")
-
-
-def fsdp_param_groups(state: Any) -> list[Any] | None:
-    """An FSDP2 unit's parameter groups: FSDPState._fsdp_param_groups (a list, from torch 2.12),
-    or _fsdp_param_group (one or None, torch 2.6 to 2.11). None where neither is."""
-    if hasattr(state, "_fsdp_param_groups"):
-        return list(state._fsdp_param_groups)
-    if hasattr(state, "_fsdp_param_group"):
-        return [state._fsdp_param_group] if state._fsdp_param_group else []
-    return None
 
 
 def fsdp_for_own_step(model: nn.Module, units: list[nn.Module]) -> None:
     """A train_step of one's own under fsdp: the root unit initialised first (FSDPState._lazy_init);
     each unit's FSDPParamGroup.post_backward keeps its weights gathered after a backward building a
-    graph (a gradient penalty's create_graph), for the backward through it. Missing: error line."""
+    graph (a gradient penalty's create_graph), for the backward through it. The groups are
+    FSDPState._fsdp_param_groups from torch 2.12, one _fsdp_param_group (or None) in 2.6 to 2.11.
+    Missing: an error line."""
     states = [getattr(unit, "_get_fsdp_state", lambda: None)() for unit in units]
-    found = [fsdp_param_groups(s) for s in states]
-    groups = [g for each in found for g in each or []]
-    if not (all(hasattr(s, "_lazy_init") for s in states) and None not in found
+    found = [s._fsdp_param_groups if hasattr(s, "_fsdp_param_groups")
+             else [getattr(s, "_fsdp_param_group", 0)] for s in states]  # [0]: neither
+    groups = [g for each in found for g in each if g]
+    if not (all(hasattr(s, "_lazy_init") for s in states) and [0] not in found
             and all(hasattr(g, "post_backward") and hasattr(g, "reshard_after_backward")
                     for g in groups)):
         raise missing("a train_step of one's own under --model-layout fsdp",

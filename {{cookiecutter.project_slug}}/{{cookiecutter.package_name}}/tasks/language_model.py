@@ -40,7 +40,7 @@ from torch.utils.data import Dataset
 
 from .checkpoint import storage
 from .data import InMemoryDataset, split_for_validation
-from .failures import UsageError
+from .failures import UsageError, local_rank_from_env, warn
 from .settings import setting
 from .shards import TOKENIZER
 from .shards.read import is_shard_set, read_index, shard_parts
@@ -183,7 +183,14 @@ def build_model(cfg: Config) -> nn.Module:
                          "--tie-embeddings", everywhere=True)
     vocab = (-(-read_index(cfg.data)["vocab_size"] // 64) * 64 if is_shard_set(cfg.data)
              else t.vocab_size)  # a shard set's tokenizer's, padded: faster matrix products
-    return TinyGPT(t.hidden_size, t.num_layers, t.num_heads, t.seq_len, vocab, t.tie_embeddings)
+    model = TinyGPT(t.hidden_size, t.num_layers, t.num_heads, t.seq_len, vocab, t.tie_embeddings)
+    step = flops_per_token(model, cfg) * t.seq_len * cfg.batch_size * cfg.grad_accum
+    if step > 1e13 and not torch.cuda.is_available() and local_rank_from_env() == 0:
+        # Else nothing is said until the first step ends: many minutes on a CPU.
+        warn(f"a step is {step / 1e12:.0f} TFLOP a process, a GPU's work (configs/gpt2-small.toml "
+             "is a GPU preset): on this CPU each takes many minutes; for a CPU run, leave out "
+             "--config or make the model and batch smaller")
+    return model
 
 
 def blocks(model: TinyGPT) -> list[nn.Module]:
