@@ -9,6 +9,16 @@ PYTHON=${PYTHON:-python}
 for arg in "$@"; do
   if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then exec "$PYTHON" train.py --help; fi
 done
+# This script's own variables, by name (torchrun would name --nproc-per-node or --max-restarts,
+# flags you never typed).
+if [[ -n "${NPROC:-}" && ! "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: NPROC=$NPROC: give the processes per machine, 1 or more (unset: one per GPU, or 2)" >&2
+  exit 2
+fi
+if [[ ! "${MAX_RESTARTS:-3}" =~ ^[0-9]+$ ]]; then
+  echo "error: MAX_RESTARTS=$MAX_RESTARTS: give how often torchrun may restart the job, 0 or more" >&2
+  exit 2
+fi
 # Checked once, before any process starts (doctor.py's preflight): the flags (a mistake: one error
 # line, exit 2), the data and the checkpoint to resume (exit 1), not once per process and restart.
 # Relative paths (files, folders, --init-method's store file) are read from where you ran this

@@ -27,6 +27,16 @@ PYTHON=${PYTHON:-python}
 for arg in "$@"; do
   if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then exec "$PYTHON" train.py --help; fi
 done
+# This script's own variables, by name (torchrun would name --nproc-per-node or --max-restarts,
+# flags you never typed).
+if [[ -n "${NPROC:-}" && ! "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: NPROC=$NPROC: give the processes per machine, 1 or more (unset: one per GPU, or 2)" >&2
+  exit 2
+fi
+if [[ ! "${MAX_RESTARTS:-3}" =~ ^[0-9]+$ ]]; then
+  echo "error: MAX_RESTARTS=$MAX_RESTARTS: give how often torchrun may restart the job, 0 or more" >&2
+  exit 2
+fi
 # As train_local.sh: the flags, data and checkpoint checked once on each node before torchrun
 # starts (a mistake is one line and exit 2 or 1 on every node, not a restart), relative paths read
 # from where you ran this, and the processes this node takes (NPROC overrides).

@@ -80,6 +80,18 @@ def test_whether_compile_is_supported_or_true_where_torch_cannot_say(monkeypatch
     assert tp.compile_supported() is True
 
 
+def test_a_compiled_recompute_with_batchnorm_runs_from_torch_28_or_one_error_line(monkeypatch):
+    from torch.torch_version import TorchVersion
+
+    if torch.__version__ >= "2.8":
+        tp.compiled_recompute()
+        monkeypatch.setattr(torch, "__version__", TorchVersion("2.7.1+cu126"))
+    found = re.escape(torch.__version__)
+    with pytest.raises(UsageError, match=f"--compile and BatchNorm needs .*which torch {found} "
+                                         "lacks; install torch 2.8 or later"):
+        tp.compiled_recompute()
+
+
 def test_ddps_reducer_exchanges_gradients_of_a_forward_around_it_or_one_error_line(group,
                                                                                   monkeypatch):
     from torch.nn.parallel import DistributedDataParallel as DDP

@@ -178,3 +178,17 @@ def test_a_bad_flag_to_the_local_script_is_one_line_before_any_process_starts(tm
         assert result.returncode == 2 and result.stdout == "", result.stdout
         assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, \
             result.stderr
+
+
+def test_the_scripts_own_variables_are_one_line_naming_the_variable(tmp_path, bin_dir):
+    """NPROC and MAX_RESTARTS, checked by the scripts before anything starts (torchrun would end
+    in a traceback, or print its usage naming a flag the user never typed)."""
+    for script in ("train_local.sh", "train_multinode.sh"):
+        args = ["2", "0", "127.0.0.1:1"] if script == "train_multinode.sh" else []
+        for name, value in (("NPROC", "0"), ("NPROC", "abc"), ("MAX_RESTARTS", "-1"),
+                            ("MAX_RESTARTS", "abc")):
+            result = run_cmd(["bash", str(PROJECT_ROOT / "scripts" / script), *args], tmp_path,
+                             PATH=path_with(bin_dir), PYTHON=sys.executable, **{name: value})
+            assert result.returncode == 2 and result.stdout == "", (script, name, result.stdout)
+            assert result.stderr.startswith(f"error: {name}={value}: give ") and \
+                result.stderr.count("\n") == 1, result.stderr

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from .config import Config
 from .data import move_to
 from .failures import UsageError, warn
-from .runtime.torch_private import compile_supported, fsdp_for_own_step, fsdp_on, uncompiled
+from .runtime import torch_private as private
 
 
 def model_blocks(model: nn.Module, task: Any) -> list[nn.Module] | None:
@@ -82,9 +82,11 @@ def split_over_two(model: nn.Module, blocks: list[nn.Module], devices: list[torc
 def checkpoint_blocks(blocks: list[nn.Module], compiled: bool = False) -> None:
     """--activation-checkpointing: each block's forward runs under torch.utils.checkpoint, inside
     DDP's and FSDP's hooks. Eager, a BatchNorm's running statistics are put back after the
-    second forward (compiled, the second forward updates nothing)."""
+    second forward (compiled, the second forward updates nothing: compiled_recompute)."""
     for block in blocks:
         norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if norms and compiled:
+            private.compiled_recompute()
         contexts = {"context_fn": functools.partial(_kept_stats, norms)} if (
             norms and not compiled) else {}
         block.forward = functools.partial(_checkpointed, block.forward, **contexts)
@@ -120,7 +122,7 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         elif is_main:
             warn("--sync-bn needs CUDA; keeping per-process BatchNorm on CPU")
-    if cfg.compile and not compile_supported():
+    if cfg.compile and not private.compile_supported():
         raise UsageError(f"--compile: torch.compile does not support Python "
                          f"{sys.version.split()[0]} on {sys.platform} with PyTorch "
                          f"{torch.__version__}; run without --compile", everywhere=True)
@@ -173,7 +175,7 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
     if importlib.util.find_spec("numpy") is None:
         raise UsageError("--model-layout fsdp saves checkpoints with torch.distributed.checkpoint, "
                          "which needs numpy: pip install numpy", everywhere=True)
-    fsdp_on(device)
+    private.fsdp_on(device)
     model.to(device)
     replicas = dist.get_world_size() // shard
     # One dimension: plain fsdp. Two: HSDP, fully_shard replicates over the first and shards
@@ -208,7 +210,7 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
         fully_shard(child, **kwargs)
     fully_shard(model, **kwargs)
     if custom:
-        fsdp_for_own_step(model, [m for m in model.modules() if isinstance(m, FSDPModule)])
+        private.fsdp_for_own_step(model, [m for m in model.modules() if isinstance(m, FSDPModule)])
         for name, module in [] if cfg.compile else model.named_modules():
             if not isinstance(module, FSDPModule) and list(module.parameters(recurse=False)):
                 module.register_forward_pre_hook(functools.partial(_check_gathered, name))
@@ -228,7 +230,7 @@ def _check_gathered(name: str, module: nn.Module, args: Any) -> None:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside torch.compile and DDP: whose state_dict has no prefixes."""
-    model = uncompiled(model)
+    model = private.uncompiled(model)
     return model.module if isinstance(model, DDP) else model
 
 
@@ -237,7 +239,7 @@ def no_gradient_sync(model: nn.Module) -> Iterator[None]:
     """No gradients exchanged in the backward passes inside: DDP's `no_sync()`; FSDP2's
     `set_requires_gradient_sync(False)`, which also keeps the gradients unsharded until the last
     micro-batch of an accumulation group."""
-    inner = uncompiled(model)
+    inner = private.uncompiled(model)
     if isinstance(inner, DDP):
         with inner.no_sync():
             yield

@@ -84,6 +84,15 @@ def compile_supported() -> bool:
     return getattr(torch._dynamo, "is_dynamo_supported", lambda: True)()
 
 
+def compiled_recompute() -> None:
+    """torch.compile's activation checkpointing recomputes a block without updating BatchNorm's
+    running statistics from torch 2.8 on; 2.6 and 2.7 update them again (each batch counted twice).
+    A release check, since no attribute tells: one error line."""
+    if torch.__version__ < "2.8":  # torch.torch_version.TorchVersion compares as a version
+        raise missing("--activation-checkpointing with --compile and BatchNorm",
+                      "a compiled recompute that leaves the running statistics alone", "2.8")
+
+
 def ddp_backward(ddp: nn.Module) -> Callable[[torch.Tensor], None]:
     """What readies DDP's reducer from a loss as its forward does, for Step.backward
     (Reducer._rebuild_buckets, then prepare_for_backward). Checked once, here, not at every step.
