@@ -186,8 +186,7 @@ class InProcessLoader:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[Any]:
-        for key in self.batches:
-            yield self.fetcher.__getitems__(key)
+        return map(self.fetcher.__getitems__, self.batches)
 
 
 def build_loader(dataset: Dataset, batches: Any, collate: Callable | None, num_workers: int,

@@ -23,7 +23,8 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout, suppress
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -143,11 +144,9 @@ def network(world: World, description: str) -> list[str]:
     """This rank's interface to the head node (`description`: training's choice), and a warning
     where a job of several machines runs on a host whose name resolves to loopback."""
     lines = [f"network: {description or 'loopback or default (one machine)'}"]
-    hostname = socket.gethostname()
-    try:
+    hostname, resolved = socket.gethostname(), ""
+    with suppress(OSError):
         resolved = socket.gethostbyname(hostname)
-    except OSError:
-        resolved = ""
     if world.world_size > world.local_world_size and resolved.startswith("127."):
         lines.append(f"WARNING: host name {hostname} resolves to {resolved}, which other machines "
                      f"cannot reach; the job uses {description or 'no interface of its own'} "
@@ -185,18 +184,6 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
                    help="--plan: processes per node (fsdp's --shard-group-size 0 takes a node)")
 
 
-def plan_run(argv: list[str]) -> int:
-    """--plan: its own flags taken out, the rest parsed as train.py parses them (plan.py)."""
-    parser = Parser(add_help=False, allow_abbrev=False)
-    parser.help_command = f"python -m {__package__}.doctor --help"
-    add_plan_flags(parser)
-    flags, rest = parser.parse_known_args(argv)
-    if flags.world_size is None:
-        parser.fail("--plan needs --world-size N, the number of processes of the run to plan")
-    cfg = parse_args(rest, getattr(task, "Settings", None))
-    return plan(cfg, flags.world_size, flags.gpu_memory_gb, flags.nproc_per_node)
-
-
 def check(argv: list[str] | None = None) -> int:
     parser = build_parser(Config, getattr(task, "Settings", None))  # the same flags as train.py
     parser.help_command = f"python -m {__package__}.doctor --help"
@@ -212,7 +199,14 @@ def check(argv: list[str] | None = None) -> int:
         if not cfg.plan:
             parser.fail("--world-size goes with --plan (python -m "
                         f"{__package__}.doctor --plan --world-size N)")
-        return plan_run(sys.argv[1:] if argv is None else argv)
+        if cfg.world_size is None:
+            parser.fail("--plan needs --world-size N, the number of processes of the run to plan")
+        # The other flags, without --plan's, parsed as train.py parses them (plan.py).
+        plan_flags = Parser(add_help=False, allow_abbrev=False)
+        add_plan_flags(plan_flags)
+        rest = plan_flags.parse_known_args(sys.argv[1:] if argv is None else argv)[1]
+        return plan(parse_args(rest, getattr(task, "Settings", None)), cfg.world_size,
+                    cfg.gpu_memory_gb, cfg.nproc_per_node)
     world, say = describe(cfg)
     setup = resolve(cfg, world)
     cuda_count = torch.cuda.device_count()
@@ -233,11 +227,7 @@ def describe(cfg: argparse.Namespace) -> tuple[World, Callable[[str], None]]:
     """Print what this process sees (versions, launcher variables, world) before the world is
     checked, then its GPUs and traps. Returns the world and a `say` with this rank's tag."""
     seen = resolve_world(local_rank_flag=cfg.local_rank, check=False)
-    tag = f"[doctor rank {seen.rank}/{seen.world_size}]"
-
-    def say(line: str) -> None:
-        print(f"{tag} {line}", flush=True)
-
+    say = partial(print, f"[doctor rank {seen.rank}/{seen.world_size}]", flush=True)
     say(versions())
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
     say(f"environment: {env or 'no launcher variables'}")

@@ -126,11 +126,9 @@ def leave_for_torchrun(line: str, final: bool = True) -> None:
     if not path or os.path.exists(path):
         return
     info = {"py_callstack": line, "timestamp": str(int(time.time()))}
-    try:
+    with suppress(OSError):  # else the box shows torch's link; the line itself is printed
         with open(path, "w", encoding="utf-8") as handle:
             json.dump({"message": {"message": line, "extraInfo": info}, "final": final}, handle)
-    except OSError:
-        pass  # the box then shows torch's link; the line itself is already printed
 
 
 def is_communication_failure(exc: BaseException) -> bool:
@@ -187,10 +185,12 @@ class PeerErrors:
         self.store.set(f"comm_failure/{self.rank}", "1")
         deadline = time.monotonic() + wait_s
         while True:
-            if found := self._recorded():
-                rank, host, kind, message = found
-                text = f"rank {self.rank}: stopped because rank {rank} on {host} failed: {message}"
-                return KINDS.get(kind, RunFailure)(text, quiet=host == self.host)
+            for rank in range(self.world_size):
+                if rank != self.rank and self.store.check([f"error/{rank}"]):
+                    host, kind, message = self.store.get(f"error/{rank}").decode().split("\n", 2)
+                    return KINDS.get(kind, RunFailure)(
+                        f"rank {self.rank}: stopped because rank {rank} on {host} failed: "
+                        f"{message}", quiet=host == self.host)
             missing = [r for r in range(self.world_size)
                        if not self.store.check([f"comm_failure/{r}"])]
             # Two ranks: if the other one left no record, it is the one that is gone.
@@ -202,13 +202,6 @@ class PeerErrors:
     def _host_of(self, rank: int) -> str:
         key = f"host/{rank}"
         return self.store.get(key).decode() if self.store.check([key]) else "an unknown host"
-
-    def _recorded(self) -> tuple[int, str, str, str] | None:
-        for rank in range(self.world_size):
-            if rank != self.rank and self.store.check([f"error/{rank}"]):
-                host, kind, message = self.store.get(f"error/{rank}").decode().split("\n", 2)
-                return rank, host, kind, message
-        return None
 
     def explain(self, exc: BaseException, timeout_s: float) -> ProjectError:
         """The error to raise on this rank after a collective failed with `exc`."""

@@ -8,6 +8,7 @@ import statistics
 import sys
 import time
 import zlib
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,11 @@ class Progress:
     """A tqdm bar on rank 0 when asked for (and tqdm is installed); otherwise it does nothing."""
 
     def __init__(self, enabled: bool) -> None:
-        self.bar, self.enabled = None, enabled
+        self.bar, self.enabled = None, False
         if enabled:
-            try:
+            with suppress(ImportError):
                 from tqdm import tqdm
-                self._tqdm = tqdm
-            except ImportError:
-                self.enabled = False
+                self._tqdm, self.enabled = tqdm, True
 
     def start(self, epoch: int, total: int, done: int) -> None:
         if self.enabled:

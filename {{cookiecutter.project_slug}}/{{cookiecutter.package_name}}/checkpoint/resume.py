@@ -114,7 +114,7 @@ def load_into(path: Path, model: torch.nn.Module, optim: Optimization, world_siz
     if path.is_dir():
         check(meta := read_meta(path), path)
         extra = {"ema": ema.state_dict()} if ema is not None and meta.get("has_ema") else {}
-        rng, saved_ema = sharded.load(path, model, optimizers, extra), extra.get("ema")
+        rng, saved_ema = sharded.load(path, model, optimizers, meta, extra), extra.get("ema")
     else:
         state = load_checkpoint(path, map_location="cpu")
         check_same_shapes(model.state_dict(), state["model"], path)

@@ -57,11 +57,10 @@ def set_full_state(model: nn.Module, optimizers: Optimizers, model_state: dict[s
                    options=StateDictOptions(full_state_dict=True))
 
 
-def load(path: AnyPath, model: nn.Module, optimizers: Optimizers,
+def load(path: AnyPath, model: nn.Module, optimizers: Optimizers, meta: dict[str, Any],
          extra: dict[str, Any] | None = None) -> torch.Tensor | None:
-    """Load a checkpoint folder into any layout (every rank), and `extra` state (the EMA) in place;
-    returns the saved random states if the world size is the same, else None."""
-    meta = json.loads((path / META).read_text())
+    """Load a checkpoint folder (`meta`: its meta.json) into any layout (every rank), and `extra`
+    state (the EMA) in place; returns the random states saved at the same world size, else None."""
     model_state, optimizer_state = get_state_dict(model, list(optimizers.values()))
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, **(extra or {})}
     if meta["world_size"] == dist.get_world_size():

@@ -114,12 +114,10 @@ def _take(token: int) -> bool:
 def _launcher_gone(worker: int, launcher: int) -> bool:
     if launcher <= 0:
         return False
-    try:  # Linux: is it still the worker's parent?
+    with suppress(OSError, ValueError, IndexError):  # Linux: is it still the worker's parent?
         stat = Path(f"/proc/{worker}/stat").read_text()
         return int(stat.rsplit(")", 1)[1].split()[1]) != launcher
-    except (OSError, ValueError, IndexError):  # no /proc: does it still exist?
-        pass
-    try:
+    try:  # no /proc: does it still exist?
         os.kill(launcher, 0)
     except OSError as exc:  # only "no such process" says it is gone
         return isinstance(exc, ProcessLookupError)

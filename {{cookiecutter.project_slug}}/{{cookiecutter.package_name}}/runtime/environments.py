@@ -227,7 +227,4 @@ def resolve_world(env: Mapping[str, str] | None = None, local_rank_flag: int | N
     """The World of this process, from the first environment class that recognises `env`.
     `check=False` skips the consistency checks: the doctor shows what it finds even if they fail."""
     env = os.environ if env is None else env
-    for environment in ENVIRONMENTS:
-        if environment.detect(env):
-            return environment.world(env, local_rank_flag, check)
-    raise AssertionError("SingleProcessEnvironment always matches")
+    return next(e for e in ENVIRONMENTS if e.detect(env)).world(env, local_rank_flag, check)

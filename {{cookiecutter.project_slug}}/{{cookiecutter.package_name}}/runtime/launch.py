@@ -9,7 +9,7 @@ import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import connection as mp_connection
 from pathlib import Path
 from typing import Any
@@ -185,19 +185,18 @@ def start(cfg: Config, work: Work) -> int:
     return run_and_report(cfg, world, work)
 
 
-def _spawn_worker(index: int, cfg: Config, nprocs: int, port: int, run_id: str, work: Work) -> None:
-    world = World(index, index, nprocs, nprocs, "spawn", "127.0.0.1", port, run_id)
-    exit_process(run_and_report(cfg, world, work))
+def _spawn_worker(index: int, cfg: Config, world: World, work: Work) -> None:
+    exit_process(run_and_report(cfg, replace(world, rank=index, local_rank=index), work))
 
 
 def spawn(cfg: Config, work: Work) -> int:
     """Start `cfg.nprocs` processes here, on a free port (parallel runs don't collide)."""
-    port, run_id = find_free_port(), f"spawn-{uuid.uuid4().hex[:8]}"
+    world = World(0, 0, cfg.nprocs, cfg.nprocs, "spawn", "127.0.0.1", find_free_port(),
+                  f"spawn-{uuid.uuid4().hex[:8]}")  # rank 0's; each worker takes its own rank
     # Check --init-method once here (a stale file, a bad URL) rather than once per child.
-    resolve_rendezvous(cfg.init_method, World(0, 0, cfg.nprocs, cfg.nprocs, "spawn", "127.0.0.1",
-                                              port, run_id), rendezvous_dir(cfg))
-    context = mp.start_processes(_spawn_worker, args=(cfg, cfg.nprocs, port, run_id, work),
-                                 nprocs=cfg.nprocs, join=False, start_method="spawn")
+    resolve_rendezvous(cfg.init_method, world, rendezvous_dir(cfg))
+    context = mp.start_processes(_spawn_worker, args=(cfg, world, work), nprocs=cfg.nprocs,
+                                 join=False, start_method="spawn")
     stop: list[int] = []
 
     def forward(signum: int, frame: Any) -> None:  # the workers stop, save and exit themselves

@@ -34,7 +34,9 @@ class MetricsWriter:
         except OSError as exc:
             raise UsageError(f"--output-dir {output_dir}: cannot write there "
                              f"({exc.strerror or exc}); choose a writable folder") from None
-        self.tracker = open_tracker(tracker, self.output_dir, config or {}, tracker_run_id)
+        if tracker != "none":
+            kind = TRACKERS[tracker]  # continuing the run `tracker_run_id`, if given
+            self.tracker = SafeTracker(kind(self.output_dir, config or {}, tracker_run_id))
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -149,13 +151,7 @@ class MlflowTracker:
         self.mlflow.end_run()
 
 
-def open_tracker(name: str, output_dir: Path, config: dict[str, Any],
-                 run_id: str | None) -> SafeTracker | None:
-    """The tracker `name` ("none" gives None), continuing `run_id` when there is one."""
-    if name == "none":
-        return None
-    kind = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}[name]
-    return SafeTracker(kind(output_dir, config, run_id))
+TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}
 
 
 class SafeTracker:
