@@ -105,19 +105,24 @@ def ray_env(cluster: dict[str, str]) -> dict[str, str]:
     return child_env(**LOOPBACK, RAY_ADDRESS=cluster["RAY_ADDRESS"])
 
 
-def train_ray(args: list[str], cwd: Path, cluster: dict[str, str],
-              timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, env=ray_env(cluster),
+def train_ray(args: list[str], cwd: Path, cluster: dict[str, str], timeout: float = 240,
+              **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, env={**ray_env(cluster), **env},
                           capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def reference(cluster, tmp_path_factory) -> dict:
     """A 2-worker run that was never interrupted: it trains, in Ray's process group, and reports
-    to Ray; its final weights."""
+    to Ray; its final weights. Variables set for the driver alone (a documented one, and one
+    named by --env) reach the workers, which Ray starts from the cluster's environment."""
     workdir = tmp_path_factory.mktemp("reference")
-    result = ok(train_ray(["--workers", "2", *FLAGS], workdir, cluster))
+    result = ok(train_ray(["--workers", "2", "--env", "MY_TASK_SETTING", *FLAGS], workdir, cluster,
+                          AWS_ENDPOINT_URL="http://127.0.0.1:9", MY_TASK_SETTING="x"))
     assert "world: 2 process(es), launcher ray, backend gloo" in result.stdout + result.stderr
+    assert "ray: passing AWS_ENDPOINT_URL, MY_TASK_SETTING to the workers" in result.stdout
+    said = "ray: the workers have AWS_ENDPOINT_URL, MY_TASK_SETTING of the driver's AWS_"
+    assert said in result.stdout + result.stderr
     done = summary(workdir / "runs/latest")
     assert done["steps"] == LAST_STEP and done["world_size"] == 2
     assert [r["step"] for r in read_metrics(workdir / "runs/latest")] == [16, 32, 48, 64]
@@ -170,6 +175,8 @@ def test_a_flag_typo_is_one_line_before_ray_starts(cluster, tmp_path):
     assert "unrecognized arguments: --epoch 3" in one_error(result)
     result = train_ray(["--workers", "2:x"], tmp_path, cluster, timeout=60)
     assert result.returncode == 2 and "--workers" in one_error(result)
+    result = train_ray(["--env", "NOT_SET_HERE"], tmp_path, cluster, timeout=60)
+    assert result.returncode == 2 and "--env NOT_SET_HERE: no such variable" in one_error(result)
 
 
 def test_too_small_a_cluster_or_none_is_one_line_naming_ray_start(cluster, tmp_path):
@@ -177,6 +184,12 @@ def test_too_small_a_cluster_or_none_is_one_line_naming_ray_start(cluster, tmp_p
     assert result.returncode == 1
     line = one_error(result)
     assert "--workers 3 needs 3 CPUs but the Ray cluster has 2" in line and "ray start" in line
+    for address, said in (("http://127.0.0.1:8265", "is a dashboard's address; give the cluster's"),
+                          ("127.0.0.1:abc", "no Ray cluster to join at RAY_ADDRESS=127.0.0.1:abc"),
+                          ("not-an-address", "no Ray cluster to join at RAY_ADDRESS=not-an")):
+        result = train_ray(["--workers", "2"], tmp_path, {**cluster, "RAY_ADDRESS": address},
+                           timeout=60)
+        assert result.returncode == 1 and said in one_error(result), result.stderr
     nowhere = {**cluster, "RAY_ADDRESS": f"127.0.0.1:{find_free_port()}"}
     result = train_ray(["--workers", "2", "--epochs", "1"], tmp_path, nowhere, timeout=60)
     assert result.returncode == 1

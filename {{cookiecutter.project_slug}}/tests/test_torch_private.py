@@ -80,15 +80,15 @@ def test_whether_compile_is_supported_or_true_where_torch_cannot_say(monkeypatch
     assert tp.compile_supported() is True
 
 
-def test_a_compiled_recompute_with_batchnorm_runs_from_torch_28_or_one_error_line(monkeypatch):
+def test_a_compiled_recompute_with_batchnorm_runs_from_torch_29_or_one_error_line(monkeypatch):
     from torch.torch_version import TorchVersion
 
-    if torch.__version__ >= "2.8":
+    if torch.__version__ >= "2.9":
         tp.compiled_recompute()
-        monkeypatch.setattr(torch, "__version__", TorchVersion("2.7.1+cu126"))
+        monkeypatch.setattr(torch, "__version__", TorchVersion("2.8.0+cu128"))
     found = re.escape(torch.__version__)
     with pytest.raises(UsageError, match=f"--compile and BatchNorm needs .*which torch {found} "
-                                         "lacks; install torch 2.8 or later"):
+                                         "lacks; install torch 2.9 or later"):
         tp.compiled_recompute()
 
 
@@ -116,18 +116,29 @@ def test_ddps_reducer_exchanges_gradients_of_a_forward_around_it_or_one_error_li
 
 
 def test_fsdp_on_a_cpu_runs_or_one_error_line_naming_the_first_torch_with_it(monkeypatch):
-    if hasattr(torch.cpu.Stream, "record_event"):
+    from torch.torch_version import TorchVersion
+
+    tp.fsdp_on(torch.device("meta"))  # (not a CPU: fsdp with NCCL on GPUs, from torch 2.6)
+    if torch.__version__ >= "2.9":
         tp.fsdp_on(torch.device("cpu"))
-        monkeypatch.delattr(torch.cpu.Stream, "record_event")
-    tp.fsdp_on(torch.device("meta"))  # (CUDA streams have their own)
-    with pytest.raises(UsageError, match=f"--model-layout fsdp on a CPU needs .*{MISSING}; "
-                                         "install torch 2.7 or later"):
+        monkeypatch.setattr(torch, "__version__", TorchVersion("2.8.0+cu128"))
+    found = re.escape(torch.__version__)
+    with pytest.raises(UsageError, match=f"--model-layout fsdp on a CPU needs .* which torch "
+                                         f"{found} lacks; install torch 2.9 or later"):
         tp.fsdp_on(torch.device("cpu"))
 
 
-@pytest.mark.skipif(not hasattr(torch.cpu.Stream, "record_event"),
-                    reason=f"fsdp on a CPU needs torch 2.7 or later, not {torch.__version__} "
-                           "(its one error line: the test above)")
+def test_a_stager_that_keeps_its_copy_or_none_where_torch_has_no_default_stager(monkeypatch):
+    import torch.distributed.checkpoint.staging as staging
+
+    if hasattr(staging, "DefaultStager"):
+        assert isinstance(tp.reusable_stager(torch.device("cpu")), staging.DefaultStager)
+        monkeypatch.delattr(staging, "DefaultStager")
+    assert tp.reusable_stager(torch.device("cpu")) is None
+
+
+@pytest.mark.skipif(torch.__version__ < "2.9", reason=f"fsdp on a CPU needs torch 2.9 or later, "
+                    f"not {torch.__version__} (its one error line: the test above)")
 def test_fsdp_units_keep_weights_for_a_graphs_backward_or_one_error_line(group, monkeypatch):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ..failures import RunFailure, agree
+from ..runtime.torch_private import reusable_stager
 from . import storage
 from .files import AGAIN, META, checkpoint_path, newest_complete
 from .folder import CheckpointDir
@@ -109,7 +110,7 @@ class ShardedCheckpoints:
                 return
             if self._group is None:  # background saves talk over a group of their own
                 self._group = dist.new_group(backend="gloo")
-                self._stager = _reusable_stager(self.comm_device)
+                self._stager = reusable_stager(self.comm_device)
             extra = {"async_stager": self._stager} if self._stager is not None else {}
             self._pending = dcp.async_save(state, checkpoint_id=str(tmp),
                                            process_group=self._group, **extra)
@@ -145,14 +146,3 @@ class ShardedCheckpoints:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
-
-
-def _reusable_stager(device: torch.device) -> Any:
-    """A stager that reuses its CPU copy of the state across saves: else `async_save` allocates
-    it at every save, on the training thread (about 2 s for 2.7 GB from an H100, most of the
-    stall). Safe: the next save first waits for the previous, which reads it."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    gpu = device.type == "cuda"
-    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=gpu))

@@ -28,6 +28,11 @@ from . import environments
 from .environments import TorchrunEnvironment, World
 
 START = "start one with `ray start --head` (or set RAY_ADDRESS to a running cluster's address)"
+# The driver's variables its workers get (Ray starts them in the cluster's environment, that of
+# the shell that ran `ray start`): those the project and its docs name, by prefix or whole, and
+# each --env NAME. Ray's own (RAY_*) and CUDA_VISIBLE_DEVICES stay Ray's.
+PASSED = ("AWS_", "WANDB_", "MLFLOW_", "NCCL_", "GLOO_", "TORCH_", "OMP_NUM_THREADS",
+          "TOKENIZERS_PARALLELISM")
 
 
 class RayEnvironment:
@@ -53,6 +58,10 @@ def worker(config: dict[str, Any]) -> int:
 
     if os.path.isdir(config["cwd"]):
         os.chdir(config["cwd"])
+    if os.environ.get("RANK") == "0" and config["env"]:
+        got = [name for name in config["env"] if name in os.environ]
+        print(f"ray: the workers have {', '.join(got) or 'none'} of the driver's "
+              f"{', '.join(config['env'])}", flush=True)
     if RayEnvironment not in environments.ENVIRONMENTS:
         environments.ENVIRONMENTS = (RayEnvironment, *environments.ENVIRONMENTS)
     # Every rank reports the same metrics line (rank 0's): ray.train.report waits for all.
@@ -87,6 +96,9 @@ def own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="Ray Train workers (processes); MIN:MAX lets Ray choose (elastic)")
     parser.add_argument("--max-restarts", type=int, default=3, metavar="R",
                         help="how often Ray restarts the group after a worker died")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME",
+                        help="pass this variable of yours to the workers too (one a flag; "
+                             f"{', '.join(PASSED)}... always go)")
     parser.add_argument("-h", "--help", action="store_true")
     args, rest = parser.parse_known_args(argv)
     if args.help:
@@ -95,6 +107,8 @@ def own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parse_args(["--help"], getattr(task, "Settings", None))  # train.py's flags; exits
     if args.max_restarts < 0:
         parser.error("--max-restarts: expected 0 or more")
+    if unset := [name for name in args.env if name not in os.environ]:
+        parser.error(f"--env {unset[0]}: no such variable here to pass to the workers")
     return args, rest
 
 
@@ -111,19 +125,22 @@ def reachable(address: str) -> bool:
         return False
 
 
-def connect(workers: int | tuple[int, int]) -> str | None:
-    """Join the Ray cluster; None, or why it cannot run `workers` workers (a GPU each where the
-    cluster has GPUs, else a CPU each)."""
+def connect(workers: int | tuple[int, int], env: dict[str, str]) -> str | None:
+    """Join the Ray cluster, giving this job's workers `env`; None, or why it cannot run
+    `workers` workers (a GPU each where the cluster has GPUs, else a CPU each)."""
     import ray
 
     address = os.environ.get("RAY_ADDRESS", "auto")
+    if address.startswith(("http://", "https://")):  # the dashboard's (Ray Jobs'), often 8265
+        return (f"RAY_ADDRESS={address} is a dashboard's address; give the cluster's, HOST:PORT "
+                "as `ray start --head` printed it (port 6379 by default)")
     if not reachable(address):
         return f"no Ray cluster answers at RAY_ADDRESS={address}; {START}"
     try:
-        ray.init(address=address, logging_level="WARNING")
-    except (ConnectionError, RuntimeError) as exc:
+        ray.init(address=address, logging_level="WARNING", runtime_env={"env_vars": env})
+    except (ConnectionError, RuntimeError, ValueError) as exc:  # ValueError: a malformed address
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return f"no Ray cluster to join at {address} ({first}); {START}"
+        return f"no Ray cluster to join at RAY_ADDRESS={address} ({first}); {START}"
     needed = workers if isinstance(workers, int) else workers[0]
     kind = "GPU" if ray.cluster_resources().get("GPU") else "CPU"
     slots = int(ray.cluster_resources().get(kind, 0))
@@ -159,12 +176,17 @@ def main(argv: list[str] | None = None) -> int:
 
     # Ray Train would send every print of the workers through its logger too: each line twice.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    if problem := connect(args.workers):
+    env = {name: value for name, value in os.environ.items()
+           if name.startswith(PASSED) or name in args.env}
+    if problem := connect(args.workers, env):
         print(f"error: {problem}", file=sys.stderr, flush=True)
         ray.shutdown()
         return 1
+    if env:  # names only: values may be secrets
+        print(f"ray: passing {', '.join(sorted(env))} to the workers (docs/launching.md)",
+              flush=True)
     trainer = TorchTrainer(
-        worker, train_loop_config={"argv": flags, "cwd": os.getcwd()},
+        worker, train_loop_config={"argv": flags, "cwd": os.getcwd(), "env": sorted(env)},
         scaling_config=ScalingConfig(num_workers=args.workers,
                                      use_gpu=bool(ray.cluster_resources().get("GPU"))),
         run_config=RunConfig(storage_path=storage_path(cfg.output_dir),

@@ -86,11 +86,11 @@ def compile_supported() -> bool:
 
 def compiled_recompute() -> None:
     """torch.compile's activation checkpointing recomputes a block without updating BatchNorm's
-    running statistics from torch 2.8 on; 2.6 and 2.7 update them again (each batch counted twice).
+    running statistics from torch 2.9 on; 2.6 to 2.8 update them again (each batch counted twice).
     A release check, since no attribute tells: one error line."""
-    if torch.__version__ < "2.8":  # torch.torch_version.TorchVersion compares as a version
+    if torch.__version__ < "2.9":  # torch.torch_version.TorchVersion compares as a version
         raise missing("--activation-checkpointing with --compile and BatchNorm",
-                      "a compiled recompute that leaves the running statistics alone", "2.8")
+                      "a compiled recompute that leaves the running statistics alone", "2.9")
 
 
 def ddp_backward(ddp: nn.Module) -> Callable[[torch.Tensor], None]:
@@ -109,10 +109,25 @@ def ddp_backward(ddp: nn.Module) -> Callable[[torch.Tensor], None]:
 
 
 def fsdp_on(device: torch.device) -> None:
-    """FSDP2 on a CPU waits on CPU streams' events: torch.cpu.Stream.record_event, from torch 2.7
-    (pytorch#145935; torch 2.6 with it stubbed fails in backward). Missing: one error line."""
-    if device.type == "cpu" and not hasattr(torch.cpu.Stream, "record_event"):
-        raise missing("--model-layout fsdp on a CPU", "torch.cpu.Stream.record_event", "2.7")
+    """FSDP2 on a CPU (gloo) averages gradients over the ranks from torch 2.9: 2.7 and 2.8 sum
+    them (plain SGD ends elsewhere than DDP; HSDP on 2.7: gloo has no ReduceOp.AVG), and 2.6's
+    CPU streams lack record_event (pytorch#145935). A release check: one error line before 2.9."""
+    if device.type == "cpu" and torch.__version__ < "2.9":
+        raise missing("--model-layout fsdp on a CPU", "FSDP2's gradients averaged over gloo", "2.9")
+
+
+def reusable_stager(device: torch.device) -> Any:
+    """A stager for dcp.async_save that reuses its CPU copy of the state across saves: else it
+    allocates one at every save, on the training thread (about 2 s for 2.7 GB from an H100, most
+    of the stall). Safe: the next save first waits for the previous, which reads it. Missing
+    (DefaultStager, from torch 2.9): None, and async_save stages a new copy each time."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    gpu = device.type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=gpu))
 
 
 def fsdp_for_own_step(model: nn.Module, units: list[nn.Module]) -> None:
