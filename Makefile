@@ -5,10 +5,11 @@
 # make bench: the benchmark (not part of the tests).
 # make gpu-check: on a GPU machine, the default project's quickstart, tests and GPU benchmark in
 # about 8 minutes (bench/gpu_check.py; results in bench/results/gpu-check/).
-# make torch-range TORCH="2.13.0 2.14.1": the default project's `pytest -q` and the --full tests of
-# its private-torch seams on each torch release, installed as a user does (bench/torch_range.py;
-# wheels cached in ~/.cache/torch-range; 10-20 minutes per release). Without TORCH: the releases
-# the generated workflow's matrix names.
+# make torch-range TORCH="2.6.0 2.14.1": on each torch release, installed as a user does, the
+# default project keeps that torch with every extra, its quickstart trains and its `pytest -q`
+# passes; on the floor, 2.9.1 and the newest also the --full tests of its private-torch seams
+# (bench/torch_range.py; wheels cached in ~/.cache/torch-range; 4-20 minutes per release).
+# Without TORCH: every minor release from the floor, 2.6.0, to 2.14.1.
 # make gpu-levers: on one GPU, what each of the language-model task's levers is worth at GPT-2 small
 # in about 7 minutes (bench/levers.py; results in bench/results/levers/).
 PYTHON ?= python3
