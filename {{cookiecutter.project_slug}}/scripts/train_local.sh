@@ -24,13 +24,16 @@ fi
 # Relative paths (files, folders, --init-method's store file) are read from where you ran this
 # script. Then the processes this machine takes, as the doctor says: one per GPU (per two GPUs
 # with --model-layout model_parallel_2), or 2 CPU processes.
-# A syntax error in task.py (the import reads it): Python's own lines for it (file, line, caret),
-# without the import's frames; exit 1.
-LAUNCH=$("$PYTHON" -c "import sys, traceback
+# A mistake at task.py's top level (the import runs it: a syntax error, an ImportError, a
+# NameError): Python's own lines for it (file, line, error), without our frames; exit 1.
+LAUNCH=$("$PYTHON" -c "import os, sys, traceback
 try:
     from {{ cookiecutter.package_name }}.doctor import preflight
-except SyntaxError as exc:
-    sys.exit(''.join(traceback.format_exception_only(exc)).rstrip())
+except Exception as exc:
+    ours = sys.modules['{{ cookiecutter.package_name }}'].__path__[0] + os.sep
+    tb = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.endswith('task.py')
+          or not f.filename.startswith(('<', ours))]
+    sys.exit(''.join(traceback.format_list(tb) + traceback.format_exception_only(exc)).rstrip())
 print(preflight(sys.argv[2:], caller=sys.argv[1]))" "$CALLER" "$@")
 eval "set -- $LAUNCH"  # the process count, then the flags with their paths made absolute
 NPROC=${NPROC:-$1}

@@ -40,13 +40,16 @@ fi
 # As train_local.sh: the flags, data and checkpoint checked once on each node before torchrun
 # starts (a mistake is one line and exit 2 or 1 on every node, not a restart), relative paths read
 # from where you ran this, and the processes this node takes (NPROC overrides).
-# A syntax error in task.py (the import reads it): Python's own lines for it (file, line, caret),
-# without the import's frames; exit 1.
-LAUNCH=$("$PYTHON" -c "import sys, traceback
+# A mistake at task.py's top level (the import runs it: a syntax error, an ImportError, a
+# NameError): Python's own lines for it (file, line, error), without our frames; exit 1.
+LAUNCH=$("$PYTHON" -c "import os, sys, traceback
 try:
     from {{ cookiecutter.package_name }}.doctor import preflight
-except SyntaxError as exc:
-    sys.exit(''.join(traceback.format_exception_only(exc)).rstrip())
+except Exception as exc:
+    ours = sys.modules['{{ cookiecutter.package_name }}'].__path__[0] + os.sep
+    tb = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.endswith('task.py')
+          or not f.filename.startswith(('<', ours))]
+    sys.exit(''.join(traceback.format_list(tb) + traceback.format_exception_only(exc)).rstrip())
 print(preflight(sys.argv[2:], caller=sys.argv[1]))" "$CALLER" "$@")
 eval "set -- $LAUNCH"
 NPROC=${NPROC:-$1}

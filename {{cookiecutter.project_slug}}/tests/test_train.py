@@ -155,17 +155,29 @@ def test_a_mistake_the_processes_find_ends_the_local_script_at_once(workdir):
 
 def test_a_syntax_error_in_task_py_is_pythons_own_lines_from_the_local_script(tmp_path, bin_dir):
     """The script's check imports task.py: a syntax error there is the file, the line and the
-    caret as Python gives them, not a traceback through the import machinery; exit 1."""
+    caret as Python gives them, not a traceback through the import machinery; exit 1. So is an
+    ImportError or a NameError at its top level (its frame and the error)."""
     project = project_copy(tmp_path)
     task = project / "{{ cookiecutter.package_name }}/task.py"
-    line = task.read_text().count("\n") + 2
-    task.write_text(task.read_text() + "\ndef broken(:\n    pass\n")
+    original = task.read_text()
+    line = original.count("\n") + 2
+    task.write_text(original + "\ndef broken(:\n    pass\n")
     result = run_cmd(["bash", str(project / "scripts/train_local.sh")], tmp_path,
                      PATH=path_with(bin_dir), PYTHON=sys.executable, PYTHONPATH=str(project))
     said = result.stderr.splitlines()
     assert result.returncode == 1 and result.stdout == "" and "Traceback" not in result.stderr
     assert said[:2] == [f'  File "{task}", line {line}', "    def broken(:"], result.stderr
     assert said[-2].strip() == "^" and said[-1].startswith("SyntaxError: "), result.stderr
+    # An ImportError or a NameError there: the same form, task.py's frame and the error.
+    for mistake, error in (("import no_such_module_here", "ModuleNotFoundError: No module named"),
+                           ("undefined_name + 1", "NameError: name 'undefined_name'")):
+        task.write_text(original + f"\n{mistake}\n")
+        result = run_cmd(["bash", str(project / "scripts/train_local.sh")], tmp_path,
+                         PATH=path_with(bin_dir), PYTHON=sys.executable, PYTHONPATH=str(project))
+        said = result.stderr.splitlines()
+        assert result.returncode == 1 and result.stdout == "", result.stderr
+        assert said[:2] == [f'  File "{task}", line {line}, in <module>', f"    {mistake}"]
+        assert said[-1].startswith(error) and len(said) <= 4, result.stderr  # (a ^^^ line)
 
 
 def test_a_bad_flag_to_the_local_script_is_one_line_before_any_process_starts(tmp_path, bin_dir):
