@@ -64,7 +64,7 @@ def main() -> None:
              " or 2 on CPU")
     extras = "dev"
     if ANSWERS["launcher"] == "ray":
-        train = ("ray start --head --num-cpus 2     # or set RAY_ADDRESS to a running cluster\n"
+        train = ("ray start --head --node-ip-address 127.0.0.1 --num-cpus 2  # or set RAY_ADDRESS\n"
                  "  python scripts/train_ray.py --workers 2 --epochs 3")
         extras = "dev,ray"
     print(f"""
