@@ -7,6 +7,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,7 +40,7 @@ NO_CPU_FSDP = None if torch.__version__ >= "2.9" else (
 
 def pytest_collection_modifyitems(config, items):
     for item in items if NO_CPU_FSDP and not torch.cuda.is_available() else []:
-        if "fsdp" in item.nodeid.lower() or "hsdp" in item.nodeid.lower():
+        if re.search("fsdp|hsdp", item.nodeid.lower()) or item.get_closest_marker("fsdp"):
             item.add_marker(pytest.mark.skip(reason=NO_CPU_FSDP))
     if config.getoption("--full"):
         return

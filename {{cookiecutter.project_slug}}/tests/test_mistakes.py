@@ -319,6 +319,7 @@ def test_mistake(name, finished_run, tmp_path, monkeypatch, capsys):
         assert unreadable(path) is None and read_meta(path)["step"] == step, path
 
 
+@pytest.mark.fsdp  # trains under fsdp, as the other layout of the default bake
 def test_a_complete_run_of_another_layout_names_its_layout(finished_run, tmp_path):
     """Issue 55: the checkpoints of a finished run of one layout, and a command with another:
     not a bare "this run is complete", but whose they are and how to start a run of one's own."""
