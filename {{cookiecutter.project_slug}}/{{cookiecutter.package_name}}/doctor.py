@@ -157,14 +157,12 @@ def network(world: World, description: str) -> list[str]:
 def bandwidth_gb_s(device: torch.device, megabytes: int) -> float:
     """all_reduce bus bandwidth (as nccl-tests reports it): bytes x 2(n-1)/n per second."""
     data = torch.ones(megabytes * 2**20 // 4, device=device)
-    dist.all_reduce(data)  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start, rounds = time.perf_counter(), 5
-    for _ in range(rounds):
-        dist.all_reduce(data)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    for rounds in (1, 5):  # a warm-up, then the rounds measured
+        start = time.perf_counter()
+        for _ in range(rounds):
+            dist.all_reduce(data)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     seconds = (time.perf_counter() - start) / rounds
     n = dist.get_world_size()
     return data.numel() * 4 * (2 * (n - 1) / n if n > 1 else 1) / seconds / 1e9

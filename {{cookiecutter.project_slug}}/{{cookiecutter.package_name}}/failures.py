@@ -72,10 +72,8 @@ def kind_name(exc: BaseException) -> str:
 
 def local_rank_from_env() -> int:
     """This process's local rank as far as the launcher's variables tell (0 when none does)."""
-    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
-        if (value := os.environ.get(name, "")).isdigit():
-            return int(value)
-    return 0
+    values = (os.environ.get(name, "") for name in ("LOCAL_RANK", "SLURM_LOCALID"))
+    return next((int(value) for value in values if value.isdigit()), 0)
 
 
 def warn(text: str) -> None:

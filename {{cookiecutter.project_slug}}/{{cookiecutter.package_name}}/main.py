@@ -12,6 +12,7 @@ import os
 import random
 import re
 import time
+from contextlib import suppress
 from typing import Any
 
 import torch
@@ -132,13 +133,11 @@ def build_model(cfg: Config) -> torch.nn.Module:
     if request.endswith("bytes"):
         request = human_size(float(request.split()[0]))
     what = f" (the allocator was asked for {request} at once)" if request else ""
-    try:
-        with torch.device("meta"):  # the same model without memory, to count its parameters
-            count = sum(p.numel() for p in task.build_model(cfg).parameters())
+    # The same model without memory, to count its parameters (if task.build_model runs there).
+    with suppress(Exception), torch.device("meta"):
+        count = sum(p.numel() for p in task.build_model(cfg).parameters())
         what += (f": the model has {count:,} parameters, {human_size(4 * count)} in fp32 before "
                  "gradients and optimizer state")
-    except Exception:  # a task.build_model that cannot run on the meta device
-        pass
     raise RunFailure(f"task.build_model: out of memory{what}; build a smaller model (e.g. "
                      "--hidden-size, --num-layers)", everywhere=True)
 

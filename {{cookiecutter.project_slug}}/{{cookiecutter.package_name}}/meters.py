@@ -149,10 +149,9 @@ class Throughput:
         if self.tokens_per_sample is None:
             return {}
         tokens_per_s = samples_per_s * self.tokens_per_sample
-        mfu = (tokens_per_s * self.flops_per_token / self.flops_per_s_peak
+        mfu = (round(tokens_per_s * self.flops_per_token / self.flops_per_s_peak, 4)
                if self.flops_per_token else None)
-        return {"tokens_per_s": round(tokens_per_s, 1),
-                "mfu": None if mfu is None else round(mfu, 4)}
+        return {"tokens_per_s": round(tokens_per_s, 1), "mfu": mfu}
 
 
 class LogStats:

@@ -201,20 +201,19 @@ def pack_rng_state(device: torch.device) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def unpack_rng_state(packed: torch.Tensor, device: torch.device) -> bool:
-    """Restore what `pack_rng_state` saved; False if it came from another kind of device."""
+def unpack_rng_state(packed: torch.Tensor, device: torch.device) -> None:
+    """Restore what `pack_rng_state` saved, unless it came from another kind of device."""
     packed = packed.cpu()
     n_torch, n_python = torch.get_rng_state().numel(), (1 + 625 + 1) * 8
     n_cuda = torch.cuda.get_rng_state(device).numel() if device.type == "cuda" else 0
     if packed.numel() != n_torch + n_python + 8 + n_cuda:
-        return False
+        return
     torch.set_rng_state(packed[:n_torch].clone())
     python = packed[n_torch:n_torch + n_python].clone().view(torch.int64).tolist()
     gauss = packed[n_torch + n_python:n_torch + n_python + 8].clone().view(torch.float64).item()
     random.setstate((python[0], tuple(python[1:-1]), gauss if python[-1] else None))
     if n_cuda:
         torch.cuda.set_rng_state(packed[-n_cuda:].clone(), device)
-    return True
 
 
 def gather_rng_states(device: torch.device, comm_device: torch.device) -> torch.Tensor:

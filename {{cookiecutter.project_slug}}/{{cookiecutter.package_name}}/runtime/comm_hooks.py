@@ -166,19 +166,17 @@ class PowerSGD:
         return out
 
     def _materialize(self, key: int, params: tuple[int, ...], buffer: torch.Tensor) -> None:
-        pieces = [self.pending[i] for i in params]
-        if all("error" in piece for piece in pieces):
-            self.state.error_dict[key] = torch.cat([piece["error"] for piece in pieces]).to(
-                buffer.device, buffer.dtype)
+        pieces = {i: self.pending.pop(i) for i in params}  # each parameter's, now the bucket's
+        if all("error" in piece for piece in pieces.values()):
+            self.state.error_dict[key] = torch.cat(
+                [piece["error"] for piece in pieces.values()]).to(buffer.device, buffer.dtype)
         shapes = self._shapes(params)
-        if shapes and all("q" in self.pending[i] for i, _, _ in shapes):
+        if shapes and all("q" in pieces[i] for i, _, _ in shapes):
             self.state.q_memory_dict[key] = torch.cat(
-                [self.pending[i]["q"] for i, _, _ in shapes]).to(buffer.device, buffer.dtype)
+                [pieces[i]["q"] for i, _, _ in shapes]).to(buffer.device, buffer.dtype)
             # P is only written into (from the gradient and Q): its size is what matters.
             self.state.p_memory_dict[key] = torch.empty(sum(rows * r for _, rows, r in shapes),
                                                         device=buffer.device, dtype=buffer.dtype)
-        for i in params:
-            del self.pending[i]
 
     def state_dict(self, comm_device: torch.device) -> dict[str, Any] | None:
         """Every rank's state on rank 0 (a collective), as tensors and plain types; None elsewhere.

@@ -98,11 +98,10 @@ def joined(cfg: Config, world: World, setup: Setup | None = None,
     keep_torch_messages_in(Path(cfg.output_dir) / f"torch-rank{world.rank}.log")
     if workers:
         worker_context()
-    store, rdzv = None, setup.rdzv if setup else None
+    store = None
     try:
         setup = setup or resolve(cfg, world)
-        rdzv = setup.rdzv
-        store = ddp_setup(world, setup.backend, rdzv,
+        store = ddp_setup(world, setup.backend, setup.rdzv,
                           startup_timeout_s(cfg.timeout_s, setup.backend), setup.devices, lifeline)
         if world.is_main:
             print(f"world: {world.world_size} process(es), launcher {world.launcher}, backend "
@@ -114,7 +113,7 @@ def joined(cfg: Config, world: World, setup: Setup | None = None,
     finally:
         with lifeline.waiting("the process group to shut down", "see the other ranks' output",
                               phase="shutdown"):
-            cleanup(store, rdzv)
+            cleanup(store, setup.rdzv if setup else None)
         lifeline.close()
 
 

@@ -54,10 +54,6 @@ def keep_torch_messages_in(path: Path) -> None:
     _terminal_fd = terminal
 
 
-def _say(text: str) -> None:
-    os.write(_terminal_fd, (text.rstrip("\n") + "\n").encode())
-
-
 class Lifeline:
     def __init__(self, rank: int, timeout_s: float, output_dir: str | Path = ".",
                  launcher_pid: int = 0) -> None:
@@ -90,14 +86,12 @@ class Lifeline:
         # Signals go to the backstop first (no interpreter lock needed), which passes them back.
         signals = self._backstop.signals if self._backstop else self._writer
         signals.setblocking(False)
-        if threading.current_thread() is not threading.main_thread():
-            self._thread.start()  # a launcher's thread: it owns the process's signals
-            return self
-        for signum in STOP_SIGNALS:
-            # A Python-level handler must exist for the C-level one to write to the wakeup fd;
-            # it does nothing itself (no KeyboardInterrupt traceback on Ctrl-C).
-            self._handlers[signum] = signal.signal(signum, lambda *_: None)
-        self._old_wakeup_fd = signal.set_wakeup_fd(signals.fileno(), warn_on_full_buffer=False)
+        if threading.current_thread() is threading.main_thread():  # else a launcher's thread,
+            for signum in STOP_SIGNALS:  # which owns the process's signals
+                # A Python-level handler must exist for the C-level one to write to the wakeup
+                # fd; it does nothing itself (no KeyboardInterrupt traceback on Ctrl-C).
+                self._handlers[signum] = signal.signal(signum, lambda *_: None)
+            self._old_wakeup_fd = signal.set_wakeup_fd(signals.fileno(), warn_on_full_buffer=False)
         self._thread.start()
         return self
 
@@ -173,7 +167,7 @@ class Lifeline:
 
     def _end(self, line: str, code: int) -> None:
         if not self._backstop or self._backstop.claim_last_word():
-            _say(line)
+            os.write(_terminal_fd, (line.rstrip("\n") + "\n").encode())
         for cleanup in self.cleanups:
             with suppress(Exception):
                 cleanup()

@@ -40,18 +40,13 @@ class DevicePrefetcher:
         return batch
 
     def __iter__(self) -> Iterator[Any]:
-        if not self.ahead:
-            for batch in self.loader:
-                yield self._ready(*self._start_copy(batch))
-            return
-        upcoming = None
+        copying = []  # with `ahead`, a batch's copy starts before the one before it is handed out
         for batch in self.loader:
-            started = self._start_copy(batch)  # before the batch before it is handed out
-            if upcoming is not None:
-                yield self._ready(*upcoming)
-            upcoming = started
-        if upcoming is not None:
-            yield self._ready(*upcoming)
+            copying.append(self._start_copy(batch))
+            if len(copying) > self.ahead:
+                yield self._ready(*copying.pop(0))
+        for started in copying:
+            yield self._ready(*started)
 
 
 def apply_to_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -221,15 +221,6 @@ def _make_store(rdzv: Rendezvous, world: World, timeout_s: float) -> dist.Store:
         raise
 
 
-def _hint(rdzv: Rendezvous, world: World) -> str:
-    if rdzv.kind == "file":
-        return (f"check that all {world.world_size} processes were started and see the same file; "
-                f"if a killed run left {rdzv.path} behind, delete it")
-    return (f"check that all {world.world_size} processes were started with the same "
-            f"MASTER_ADDR/MASTER_PORT, that {rdzv.address} is reachable from every node "
-            "and that no other program listens there")
-
-
 def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
               devices: list[torch.device], lifeline: Lifeline) -> dist.Store:
     """Set the device and join the process group, under one --timeout-s deadline (a rank that never
@@ -241,7 +232,11 @@ def ddp_setup(world: World, backend: str, rdzv: Rendezvous, timeout_s: float,
     if rdzv.kind == "file" and not rdzv.path.exists():  # a new file: removed if this fails
         lifeline.cleanups.append(lambda: rdzv.path.unlink(missing_ok=True))
     others = f"the other {world.world_size - 1} rank(s)" if world.world_size > 1 else "the store"
-    what, hint = f"{others} to join at {rdzv}", _hint(rdzv, world)
+    what = f"{others} to join at {rdzv}"
+    hint = f"check that all {world.world_size} processes were started " + (
+        f"and see the same file; if a killed run left {rdzv.path} behind, delete it"
+        if rdzv.kind == "file" else "with the same MASTER_ADDR/MASTER_PORT, that "
+        f"{rdzv.address} is reachable from every node and that no other program listens there")
     with lifeline.waiting(what, hint, timeout_s, phase="rendezvous"):
         try:
             if dist.is_initialized():  # the launcher made the group: it is ours

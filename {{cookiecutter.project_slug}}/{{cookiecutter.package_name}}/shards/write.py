@@ -16,6 +16,7 @@ import sys
 import tempfile
 from array import array
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -145,15 +146,10 @@ def has_text(path: Path) -> bool:
 
 
 def chunks(path: Path, size: int = 1 << 22) -> Iterator[list[str]]:
-    """A text file as lists of lines of about `size` bytes: memory stays bounded."""
-    lines: list[str] = []
+    """A text file as lists of lines of about `size` bytes (80 a line): memory stays bounded."""
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            lines.append(line)
-            if len(lines) * 80 >= size:
-                yield lines
-                lines = []
-    yield lines
+        while lines := list(islice(f, -(-size // 80))):
+            yield lines
 
 
 def write_tokens(files: list[Path], writer: Writer, tokenizer: Any, tmp: Path,
