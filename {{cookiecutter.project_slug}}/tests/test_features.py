@@ -33,7 +33,7 @@ from conftest import (
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from {{ cookiecutter.package_name }} import task
-from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT, parse_args
+from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT, parse_args, unused_settings
 from {{ cookiecutter.package_name }}.data import BatchFetcher, validation_batches
 from {{ cookiecutter.package_name }}.doctor import main as doctor_main
 from {{ cookiecutter.package_name }}.main import work
@@ -374,7 +374,7 @@ def test_evaluation_every_n_steps_the_best_checkpoint_an_early_stop_and_eval_onl
     assert not (workdir / "evaluated/summary.json").exists()
 
 
-def test_the_built_in_schedules_after_the_warm_up():
+def test_the_built_in_schedules_after_the_warm_up(capsys):
     from {{ cookiecutter.package_name }}.optim import lr_lambda
 
     for schedule, middle in (("constant", 1.0), ("cosine", 0.5), ("linear", 0.5)):
@@ -382,3 +382,14 @@ def test_the_built_in_schedules_after_the_warm_up():
         assert [factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
         assert factor(54) == pytest.approx(middle) and factor(4) == 1.0
         assert factor(104) == (1.0 if schedule == "constant" else pytest.approx(0.0))
+        # --min-lr (here --lr / 10, as nanoGPT): the decay ends there, halfway is halfway to it.
+        floor = lr_lambda(schedule, warmup_steps=4, total_steps=104, floor=0.1)
+        assert floor(104) == pytest.approx(1.0 if schedule == "constant" else 0.1)
+        assert floor(54) == pytest.approx(1.0 if schedule == "constant" else 0.55)
+    cfg = parse_args(["--lr-schedule", "cosine", "--lr", "6e-4", "--min-lr", "6e-5"], task.Settings)
+    assert cfg.min_lr == 6e-5 and unused_settings(cfg) == []
+    assert unused_settings(parse_args(["--min-lr", "1e-4"], task.Settings)) == [
+        "--min-lr has no effect with --lr-schedule constant"]
+    with pytest.raises(SystemExit):
+        parse_args(["--lr", "1e-3", "--min-lr", "1e-2"], task.Settings)
+    assert "--min-lr 0.01 is above --lr 0.001: give at most --lr" in capsys.readouterr().err

@@ -60,7 +60,9 @@ class Config:
                         type=number("float", 0, 10.0, above=True))
     weight_decay: float = setting(0.0, "AdamW weight decay", low=0)
     lr_schedule: str = setting("constant", "after the warm-up: constant, or a cosine or linear "
-                               "decay to 0", choices=["constant", "cosine", "linear"])
+                               "decay to --min-lr", choices=["constant", "cosine", "linear"])
+    min_lr: float = setting(0.0, "where a cosine or linear decay ends (nanoGPT's: --lr / 10)",
+                            type=number("float", 0, 10.0))
     warmup_steps: int = setting(0, "linear warm-up steps", low=0)
     seed: int = setting(0, "seeds data, model init and every rank", low=0, high=SEED_MAX)
     precision: str = setting("fp32", "autocast dtype; fp16 needs CUDA (it uses a GradScaler)",
@@ -220,7 +222,8 @@ ONLY_WITH = (
      "with --model-layout fsdp (FSDP exchanges gradients itself, without DDP)"),
     (("shard_group_size",), lambda cfg: cfg.model_layout == "fsdp", "without --model-layout fsdp"),
     (("powersgd_rank", "powersgd_warmup_steps"), lambda cfg: cfg.comm_hook == "powersgd",
-     "without --comm-hook powersgd"))
+     "without --comm-hook powersgd"),
+    (("min_lr",), lambda cfg: cfg.lr_schedule != "constant", "with --lr-schedule constant"))
 
 
 def unused_settings(cfg: Config) -> list[str]:
@@ -265,6 +268,8 @@ def problems(cfg: Config) -> list[str]:
                      "DDP's no_sync with static_graph); drop one of them")
     if cfg.sync_bn and cfg.model_layout == "fsdp":
         found.append("--sync-bn does not work with --model-layout fsdp; drop --sync-bn")
+    if cfg.min_lr > cfg.lr:
+        found.append(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}: give at most --lr")
     if (cfg.resume not in ("auto", "never", "weights-only") and not storage.is_url(cfg.resume)
             and not Path(cfg.resume).exists()):
         found.append(f"--resume {cfg.resume}: no such file or folder; use --resume auto or "

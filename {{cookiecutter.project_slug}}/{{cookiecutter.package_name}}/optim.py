@@ -19,9 +19,10 @@ from .parallel import unwrap
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int,
+              floor: float = 0.0) -> Callable[[int], float]:
     """Multiplier of the peak LR at a step: linear warm-up, then constant, or a cosine or linear
-    decay to 0."""
+    decay to `floor` (--min-lr / --lr)."""
 
     def factor(step: int) -> float:
         if step < warmup_steps:
@@ -30,8 +31,8 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
             return 1.0
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         if schedule == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
+            return floor + (1.0 - floor) * (1.0 - progress)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
 
@@ -74,7 +75,8 @@ class Optimization:
             self.kinds[name] = (f"{type(optimizer).__name__}, "
                                 f"{type(scheduler).__name__ if scheduler else '--lr-schedule'}")
             self.schedulers[name] = scheduler or torch.optim.lr_scheduler.LambdaLR(
-                optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
+                optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps,
+                                     cfg.min_lr / cfg.lr))
         self.only = next(iter(self.optimizers))  # the name `update()` means, if only one
         self.params = {name: [p for g in o.param_groups for p in g["params"]]
                        for name, o in self.optimizers.items()}
