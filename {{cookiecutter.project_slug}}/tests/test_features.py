@@ -256,6 +256,8 @@ def test_throughput_memory_step_times_and_a_profile(options_run):
     steps = json.loads((options_run / "steps.json").read_text())
     assert len(steps["step_ends"]) == 32 and steps["started_at"] < steps["step_ends"][0]
     assert 0 < report["time_to_first_step_s"] < report["wall_time_s"] + 60
+    # samples/s is training's: the epochs' evaluations are timed apart, not counted in it.
+    assert 0 < report["evaluation_s"] < report["wall_time_s"]
     assert stdout.count("throughput:") == 1
     # The profiler: a trace of steps 2-4 on rank 0 only, with shapes.
     traces = list((options_run / "r-options/profile").glob("*.pt.trace.json"))

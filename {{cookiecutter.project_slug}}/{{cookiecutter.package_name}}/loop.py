@@ -195,8 +195,10 @@ class Trainer:
 
     def _evaluate(self, epoch: int) -> None:
         self.metrics.settle()  # the step's metrics line comes before its evaluation's
+        started = time.perf_counter()
         if self.evaluation.run(epoch, self.step):  # a new best (--keep-best): saved, kept
             self.checkpointer.keep_next = True
+        self.metrics.not_training(time.perf_counter() - started)
 
     def _done(self) -> bool:
         return (self.epoch >= self.cfg.epochs or self.metrics.stopped_by is not None

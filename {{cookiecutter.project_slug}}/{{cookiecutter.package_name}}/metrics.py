@@ -68,6 +68,7 @@ class Metrics:
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, int] = {}
         self._samples, self._samples_total = 0, 0  # this rank's, since the last log; in all
+        self.evaluation_s = 0.0  # not in samples/s
         self._checked_at = -1  # the step whose weights check_weights passed last
         self._pending: LogStats | None = None  # a log step's all_reduce, read one step later
 
@@ -98,6 +99,11 @@ class Metrics:
     def start(self, step: int) -> None:
         self._start = self._last_log_time = time.perf_counter()
         self.profiler.step_done(step)
+
+    def not_training(self, seconds: float) -> None:
+        """Time spent evaluating: left out of samples/s and tokens/s, which are training's."""
+        self.evaluation_s += seconds
+        self._last_log_time += seconds
 
     def batch_done(self, values: dict[str, torch.Tensor], samples: int) -> None:
         """A batch's logged values (the loss, its parts): on the device until the log step."""
@@ -218,7 +224,8 @@ class Metrics:
         """summary.json, with the other components' `parts`; and --step-times (rank 0)."""
         wall = time.perf_counter() - self._start
         # Every rank trains on the same number of samples (the sampler pads): exact.
-        samples_per_s = self._samples_total * self.world.world_size / max(wall, 1e-9)
+        samples_per_s = (self._samples_total * self.world.world_size
+                         / max(wall - self.evaluation_s, 1e-9))
         summary = {
             "world_size": self.world.world_size, "backend": self.runtime.backend,
             "launcher": self.world.launcher, "model_layout": self.cfg.model_layout,
@@ -228,7 +235,7 @@ class Metrics:
             "time_to_first_step_s": round(self.first_step_s, 3) if self.first_step_s else None,
             "peak_mem_mb": self.peak_mem_mb,
             **({"peak_reserved_mb": self.peak_reserved_mb} if self.device.type == "cuda" else {}),
-            "wall_time_s": round(wall, 3),
+            "wall_time_s": round(wall, 3), "evaluation_s": round(self.evaluation_s, 3),
         }
         for part in parts:
             summary.update(part)
