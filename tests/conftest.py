@@ -88,7 +88,7 @@ def answers_id(answers: dict) -> str:
 def expected_files(package: str, answers: dict) -> set[str]:
     files = {
         ".gitignore", "README.md", "pyproject.toml", "requirements.txt", "train.py",
-        "configs/example.toml", "scripts/train_local.sh", "scripts/train_multinode.sh",
+        "configs/example.toml", "scripts/train_local.sh", "scripts/train_multinode.sh", "scripts/preflight.sh",
         "scripts/plot_metrics.py", "scripts/predict.py", "docs/worked-example.md", "docs/launching.md",
         "docs/recovery.md", "docs/performance.md", "docs/configuration.md", "docs/custom-step.md",
         "docs/data.md",

@@ -6,38 +6,9 @@ set -euo pipefail
 CALLER=$PWD
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
-for arg in "$@"; do
-  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then exec "$PYTHON" train.py --help; fi
-done
-# This script's own variables, by name (torchrun would name --nproc-per-node or --max-restarts,
-# flags you never typed).
-if [[ -n "${NPROC:-}" && ! "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
-  echo "error: NPROC=$NPROC: give the processes per machine, 1 or more (unset: one per GPU, or 2)" >&2
-  exit 2
-fi
-if [[ ! "${MAX_RESTARTS:-3}" =~ ^[0-9]+$ ]]; then
-  echo "error: MAX_RESTARTS=$MAX_RESTARTS: give how often torchrun may restart the job, 0 or more" >&2
-  exit 2
-fi
-# Checked once, before any process starts (doctor.py's preflight): the flags (a mistake: one error
-# line, exit 2), the data and the checkpoint to resume (exit 1), not once per process and restart.
-# Relative paths (files, folders, --init-method's store file) are read from where you ran this
-# script. Then the processes this machine takes, as the doctor says: one per GPU (per two GPUs
-# with --model-layout model_parallel_2), or 2 CPU processes.
-# A mistake at task.py's top level (the import runs it: a syntax error, an ImportError, a
-# NameError): Python's own lines for it (file, line, error), without our frames; exit 1.
-LAUNCH=$("$PYTHON" -c "import os, sys, traceback
-try:
-    from {{ cookiecutter.package_name }}.doctor import preflight
-except Exception as exc:
-    ours = sys.modules['{{ cookiecutter.package_name }}'].__path__[0] + os.sep
-    tb = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.endswith('task.py')
-          or not f.filename.startswith(('<', ours))]
-    sys.exit(''.join(traceback.format_list(tb) + traceback.format_exception_only(exc)).rstrip())
-print(preflight(sys.argv[2:], caller=sys.argv[1]))" "$CALLER" "$@")
-eval "set -- $LAUNCH"  # the process count, then the flags with their paths made absolute
-NPROC=${NPROC:-$1}
-shift
+# --help, NPROC and MAX_RESTARTS, the flags, the data and the checkpoint, checked once before any
+# process starts; it leaves NPROC and the flags with their paths made absolute (scripts/preflight.sh).
+source scripts/preflight.sh
 {% if cookiecutter.launcher in ("torchrun", "ray") -%}
 {%- if cookiecutter.launcher == "ray" %}
 # On a Ray cluster: python scripts/train_ray.py --workers N (docs/launching.md); here, torchrun.

@@ -24,36 +24,11 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 CALLER=$PWD
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
-for arg in "$@"; do
-  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then exec "$PYTHON" train.py --help; fi
-done
-# This script's own variables, by name (torchrun would name --nproc-per-node or --max-restarts,
-# flags you never typed).
-if [[ -n "${NPROC:-}" && ! "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
-  echo "error: NPROC=$NPROC: give the processes per machine, 1 or more (unset: one per GPU, or 2)" >&2
-  exit 2
-fi
-if [[ ! "${MAX_RESTARTS:-3}" =~ ^[0-9]+$ ]]; then
-  echo "error: MAX_RESTARTS=$MAX_RESTARTS: give how often torchrun may restart the job, 0 or more" >&2
-  exit 2
-fi
-# As train_local.sh: the flags, data and checkpoint checked once on each node before torchrun
-# starts (a mistake is one line and exit 2 or 1 on every node, not a restart), relative paths read
-# from where you ran this, and the processes this node takes (NPROC overrides).
-# A mistake at task.py's top level (the import runs it: a syntax error, an ImportError, a
-# NameError): Python's own lines for it (file, line, error), without our frames; exit 1.
-LAUNCH=$("$PYTHON" -c "import os, sys, traceback
-try:
-    from {{ cookiecutter.package_name }}.doctor import preflight
-except Exception as exc:
-    ours = sys.modules['{{ cookiecutter.package_name }}'].__path__[0] + os.sep
-    tb = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.endswith('task.py')
-          or not f.filename.startswith(('<', ours))]
-    sys.exit(''.join(traceback.format_list(tb) + traceback.format_exception_only(exc)).rstrip())
-print(preflight(sys.argv[2:], caller=sys.argv[1]))" "$CALLER" "$@")
-eval "set -- $LAUNCH"
-NPROC=${NPROC:-$1}
-shift
+# As train_local.sh: --help, NPROC and MAX_RESTARTS, the flags, data and checkpoint checked once
+# on each node before torchrun starts (a mistake is one line and exit 2 or 1 on every node, not a
+# restart), relative paths read from where you ran this; it leaves NPROC, the processes this node
+# takes, and the flags (scripts/preflight.sh).
+source scripts/preflight.sh
 # Many machines resolve their own name to a loopback address. Then torchrun does not see that it
 # owns the endpoint (no node would host the rendezvous) and tells the training processes an
 # address no other node can reach. So: this node's address on the route to the head, and
