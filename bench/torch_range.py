@@ -15,7 +15,8 @@ cache first, then `pip install -e ".[dev]"`), and must keep that torch. Then:
   of the files that run every place where the code relies on a private torch API
   (runtime/torch_private.py), fsdp and HSDP among them, on 2 workers.
 One line per release: version, passed, failed (failed tests and errors), seconds; logs stay in the
-cache's work/<version>/ folder. Exit 0 when nothing failed. Heavy: each release takes 4-15
+cache's work/<version>/ folder; each venv is removed after its release (5-7 GB each). Exit 0
+when nothing failed. Heavy: each release takes 4-15
 minutes of both CPU cores; run it alone.
 """
 
@@ -101,14 +102,20 @@ def check(version: str, cache: Path, full: bool) -> bool:
     started = time.monotonic()
     found = wheels(cache, version)
     work = cache / "work" / version
-    for old in work.glob("*"):  # all but the venv, which a rerun keeps (its torch is checked)
-        if old.name != "venv":
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
     project, venv = bake(work, ""), work / "venv"
     python, install = str(venv / "bin" / "python"), work / "install.txt"
-    if not venv.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    try:
+        return run_release(version, found, work, project, python, install, full, started)
+    finally:  # a venv with a CUDA torch is 5-7 GB: nine of them fill a disk
+        shutil.rmtree(venv, ignore_errors=True)
+
+
+def run_release(version: str, found: Path, work: Path, project: Path, python: str,
+                install: Path, full: bool, started: float) -> bool:
+    """check()'s steps in the fresh venv: install, extras, quickstart, tests; print the line."""
     steps = [[python, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(found),
               f"torch=={version}"], [python, "-m", "pip", "install", "-q", "-e", ".[dev]"],
              [python, "-c", f"import torch; assert torch.__version__.split('+')[0] == '{version}'"]]
