@@ -37,7 +37,8 @@ EXTERNAL_FLAGS = {
     "tensorboard": {"--logdir"},
     "mlflow": {"--backend-store-uri"},
     "lighthouse": {"--min_replicas"},  # the fault-tolerance lighthouse server
-    "ray": {"--head", "--address", "--num-cpus", "--num-gpus", "--port", "--force"},
+    "ray": {"--head", "--address", "--num-cpus", "--num-gpus", "--port", "--force",
+            "--node-ip-address"},
 }
 # Commands that take no long flags in the docs, or pass theirs on: named so that a command line
 # starting with them is recognised (a flag after them must then belong to what follows).
