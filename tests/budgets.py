@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 
-CALIBRATION_S = 12.8  # calibrate.py where the budgets were measured (tests/README.md's run)
+# calibrate.py's reading of the machine the budgets hold on: 12.8 s is issue 73's fresh machine
+# (2026-12-01); this kind read 16.0 and 17.9 s on 2026-12-04 (a larger reading: slower).
+CALIBRATION_S = 12.8
 INSTALL_S = 100  # .ci/run's apt and pip installs on a fresh machine
 BUDGET_S = {  # with INSTALL_S: 2,097 s, within the 2,100 s of 35 minutes
     "tests/test_generated_runs.py::test_the_projects_whole_suite_passes_in_the_venv": 850,
