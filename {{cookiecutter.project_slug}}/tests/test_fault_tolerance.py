@@ -84,9 +84,11 @@ def test_without_torchft_the_error_gives_the_install_command(tmp_path):
 
 def test_torch_26_is_one_line_naming_torchfts_floor(monkeypatch):
     """torchft 0.2 requires torch 2.7: on 2.6 (here pretended), one line before any work."""
+    from torch.torch_version import TorchVersion
+
     from {{ cookiecutter.package_name }}.fault_tolerance import start_manager
 
-    monkeypatch.setattr(torch, "__version__", "2.6.0+cu124")
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.6.0+cu124"))
     with pytest.raises(UsageError, match=r"torchft needs torch 2.7 or later .* not torch 2.6.0"):
         start_manager(None, None, "gloo", torch.device("cpu"), 5)
 

@@ -203,7 +203,7 @@ def start_manager(replicas: Replicas, world: World, backend: str, device: torch.
     """torchft's Manager for this rank, and the store it uses (keep it while the Manager runs).
     Quorums are synchronous (computed at the start of each step's backward), so a group heals
     before it trains, never in the middle of a step."""
-    if tuple(map(int, torch.__version__.split(".")[:2])) < (2, 7):  # torchft 0.2's own floor
+    if torch.__version__ < "2.7":  # torchft 0.2's own floor (TorchVersion compares as a version)
         raise UsageError(f"fault_tolerance=torchft needs torch 2.7 or later (torchft 0.2 requires "
                          f"it), not torch {torch.__version__}: upgrade torch, then {INSTALL}",
                          everywhere=True)
