@@ -135,6 +135,8 @@ def test_a_task_of_dicts_trains_evaluates_and_resumes(custom_project, layout):
         return
     # Resumed mid-run, both layouts end with the same weights, optimizer groups and schedule.
     train("--checkpoint-dir", "b", "--output-dir", "rb", "--max-steps", "17")
+    # --max-steps inside an epoch evaluates the last weights (without touching the RNG: below).
+    assert read_metrics(custom_project / "rb", "val_accuracy")[-1]["step"] == 17
     train("--checkpoint-dir", "b", "--output-dir", "rb")
     assert summary(custom_project / "rb")["resumed_from"]
     assert_same_model(final_model(custom_project / "a"), final_model(custom_project / "b"))

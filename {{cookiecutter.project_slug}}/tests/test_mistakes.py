@@ -38,6 +38,7 @@ from conftest import (
 )
 
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta, unreadable
+from {{ cookiecutter.package_name }}.doctor import main as doctor
 from {{ cookiecutter.package_name }}.main import main
 
 pytestmark = pytest.mark.full  # the slow tier: pytest --full
@@ -112,6 +113,9 @@ CASES = {
     "bad-flag-under-torchrun": Case(["--lr", "inf"], "--lr: must be a finite number", 1,
                                     launcher="torchrun"),
     # Wrong places and launch mistakes: exit 1.
+    "keep-best-without-validation": Case(["--keep-best", "val_loss:min", "--val-fraction", "0"],
+                                         "--keep-best needs a validation set, and "
+                                         "task.build_datasets returned none"),
     "init-method-unknown-scheme": Case(["--init-method", "bogus://x"], "is not one of env, tcp"),
     "init-method-typo": Case(["--init-method", "tpc"], "--init-method 'tpc' is not one of"),
     "init-method-file-host": Case(["--init-method", "file://tmp/x"], "three slashes"),
@@ -496,6 +500,17 @@ def ckpt(step: int, layout: str) -> str:
     return f"ckpt_step{step:08d}" + ("" if layout == "fsdp" else ".pt")
 
 
-def test_warmup_longer_than_the_run_is_a_warning(workdir):
-    result = ok(python_train([*BASE[1:], "--warmup-steps", "1000"], workdir))
-    assert "warning: --warmup-steps 1000 is longer than the run (8 steps)" in result.stderr
+def test_what_the_plan_fails_on_the_run_warns_of_in_the_same_words(workdir, capsys):
+    """A global batch larger than the data, a warm-up longer than the run and --max-steps beyond
+    --epochs: `doctor --plan` fails on each (optim.schedule_problems), the run trains with a
+    warning line for each."""
+    flags = [*BASE[1:], "--batch-size", "200", "--warmup-steps", "1000", "--max-steps", "5"]
+    result = ok(python_train(flags, workdir))
+    warned = [line.removeprefix("warning: ") for line in result.stderr.splitlines()
+              if line.startswith("warning: ")]
+    assert len(warned) == 3, result.stderr
+    assert warned[0].startswith("a global batch of 200 samples") and "1000 is longer" in warned[1]
+    assert doctor(["--plan", *flags, "--world-size", "1"]) == 1
+    planned = " ".join(capsys.readouterr().out.split())  # wrapped for the terminal, joined
+    assert all(f"warning: {line}" in planned for line in warned), planned
+    assert "FAIL: 3 problem(s) at 1 processes" in planned

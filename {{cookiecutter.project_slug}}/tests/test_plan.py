@@ -107,6 +107,16 @@ def test_a_setting_wrong_only_at_64_processes_is_named(workdir, capsys):
     assert not torch.distributed.is_initialized()  # no process group, of 64 or any other size
 
 
+def test_a_flag_that_needs_a_validation_set_fails_the_plan_as_the_run_refuses_it(workdir, capsys):
+    """The plan builds the data sets as the run does, and says what the run would refuse."""
+    flags = ["--plan", "--world-size", "2", "--hidden-size", "8", "--keep-best", "val_loss:min"]
+    assert doctor(flags) == 0
+    capsys.readouterr()
+    assert doctor([*flags, "--val-fraction", "0"]) == 1
+    assert ("warning: --keep-best needs a validation set, and task.build_datasets returned none "
+            "(raise --val-fraction?)") in " ".join(capsys.readouterr().out.split())
+
+
 def test_a_run_that_does_not_fit_fails_the_plan(workdir, capsys):
     assert doctor(["--plan", "--world-size", "2", "--gpu-memory-gb", "2", "--hidden-size", "8"]) \
         == 1

@@ -174,7 +174,8 @@ class Evaluation:
         self.cfg, self.evaluator, self.model, self.autocast = cfg, evaluator, model, autocast
         self.ema, self.is_main, self.log, self.every = ema, is_main, log, cfg.eval_every_steps
         self.selection = ModelSelection(cfg.keep_best, cfg.early_stop)
-        self.values: dict[str, float] = {}  # the last evaluation's metrics
+        self.values: dict[str, float] = {}  # the last evaluation's metrics, and its step
+        self.at_step = -1
 
     def due(self, step: int, last_of_epoch: bool) -> bool:
         """Every --eval-every-steps, but not an epoch's last step (its end is evaluated anyway)."""
@@ -184,7 +185,7 @@ class Evaluation:
         """Evaluate (every rank), log, print; True for a new best that --keep-best keeps."""
         if self.evaluator is None:
             return False
-        self.values = self.evaluator.run(self.model, self.autocast, self.ema)
+        self.values, self.at_step = self.evaluator.run(self.model, self.autocast, self.ema), step
         self.log({"step": step, "epoch": epoch, **self.values})
         notes = self.selection.update(self.values, step)
         if self.is_main:
@@ -193,13 +194,8 @@ class Evaluation:
 
     def check(self) -> None:
         """Before anything runs: a flag that needs a validation set, without one."""
-        cfg = self.cfg
-        flags = {"--eval-only": cfg.eval_only, "--eval-every-steps": cfg.eval_every_steps,
-                 "--keep-best": cfg.keep_best, "--early-stop": cfg.early_stop}
-        wants = [flag for flag, on in flags.items() if on]
-        if wants and self.evaluator is None:
-            raise UsageError(f"{wants[0]} needs a validation set, and task.build_datasets "
-                             "returned none (raise --val-fraction?)", everywhere=True)
+        if self.evaluator is None and (problem := without_validation(self.cfg)):
+            raise UsageError(problem, everywhere=True)
 
     def check_metric_names(self) -> None:
         """Before training: a misspelt metric of --keep-best or --early-stop (every rank)."""
@@ -231,6 +227,15 @@ class Evaluation:
         """The evaluation's part of summary.json."""
         return {**self.values, "best": self.selection.best or None,
                 "early_stopped": self.selection.should_stop}
+
+
+def without_validation(cfg: Any) -> str | None:
+    """What a run without a validation set refuses (the plan too): a flag that needs one."""
+    flags = {"--eval-only": cfg.eval_only, "--eval-every-steps": cfg.eval_every_steps,
+             "--keep-best": cfg.keep_best, "--early-stop": cfg.early_stop}
+    wants = [flag for flag, on in flags.items() if on]
+    return (f"{wants[0]} needs a validation set, and task.build_datasets returned none (raise "
+            "--val-fraction?)") if wants else None
 
 
 def _shown(metrics: dict[str, float]) -> str:

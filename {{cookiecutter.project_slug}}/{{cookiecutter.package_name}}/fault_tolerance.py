@@ -41,7 +41,7 @@ from .config import Config, parse_args
 from .data import ShardedBatchSampler
 from .failures import ProjectError, RunFailure, UsageError, report_error
 from .loop import Runtime, Trainer
-from .optim import Optimization
+from .optim import Optimization, schedule
 from .parallel import parallelize
 from .runtime.comm_hooks import register_comm_hook
 from .runtime.environments import World
@@ -382,7 +382,7 @@ def build_replica_trainer(cfg: Config, world: World, backend: str, devices: list
     model = parallelize(entry.build_model(cfg), cfg, devices, task, world.is_main,
                         world.local_world_size)  # data_parallel: DDP
     comm_hook = register_comm_hook(model, cfg)  # None without one
-    cfg.total_steps = entry.total_steps(cfg, data)  # task.configure_optimizer may read it
+    cfg.total_steps = schedule(cfg, batches.size, batches.world_size)[1]  # read by task code
     optim = FaultTolerantOptimization(manager, replicas.lighthouse, world.is_main, model, cfg,
                                       devices[0], cfg.total_steps,
                                       configure=getattr(task, "configure_optimizer", None))

@@ -25,7 +25,7 @@ from .evaluation import Evaluation, Evaluator
 from .failures import warn
 from .meters import Throughput
 from .metrics import Metrics
-from .optim import Optimization
+from .optim import Optimization, schedule
 from .parallel import no_gradient_sync, unwrap
 from .runtime.comm_hooks import PowerSGD
 from .runtime.environments import World
@@ -120,6 +120,10 @@ class Trainer:
                 self._run_epoch(self.epoch)
                 if self.batch_in_epoch == 0:  # a whole epoch done
                     self.checkpointer.maybe_save(self.step, self.loop_state, epoch_end=self.epoch)
+            if self.evaluation.at_step != self.step and self.metrics.stopped_by is None:
+                # --max-steps inside an epoch: evaluated as at an epoch's end, the RNG untouched
+                with torch.random.fork_rng(devices=[]):
+                    self._evaluate(self.epoch)
             self.lifeline.tell("phase", "finishing")
             self.checkpointer.maybe_save(self.step, self.loop_state, last=True)
             self.checkpointer.finish()
@@ -225,9 +229,9 @@ class Trainer:
             return {"complete": True, "steps": self.step}  # summary and metrics stay as they are
         self.evaluation.check_metric_names()
         self.metrics.open(resumed=resumed_from is not None)
-        if self.cfg.warmup_steps > self.optim.total_steps and self.world.is_main:
-            warn(f"--warmup-steps {self.cfg.warmup_steps} is longer than the run "
-                 f"({self.optim.total_steps} steps): the learning rate never reaches --lr")
+        for problem in schedule(self.cfg, self.batches.size, self.batches.world_size)[2]:
+            if self.world.is_main:  # what `doctor --plan` fails on, the run warns of
+                warn(problem)
         if (unheld := self.optim.unheld) and self.world.is_main:
             warn(f"no optimizer of task.configure_optimizer holds {len(unheld)} trainable "
                  f"parameters ({', '.join(unheld[:3])}{', ...' * (len(unheld) > 3)}): they never "

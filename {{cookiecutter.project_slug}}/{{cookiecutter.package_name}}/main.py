@@ -7,7 +7,6 @@ processes itself with `torch.multiprocessing`.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import re
@@ -23,7 +22,7 @@ from .data import ShardedBatchSampler, build_loader, place_on_device, validation
 from .evaluation import Evaluator
 from .failures import RunFailure, UsageError
 from .loop import Data, Runtime, Trainer
-from .optim import Optimization
+from .optim import Optimization, schedule
 from .parallel import parallelize
 from .plan import human_size
 from .runtime.comm_hooks import register_comm_hook
@@ -61,7 +60,7 @@ def build_trainer(cfg: Config, world: World, backend: str, devices: list[torch.d
     model = parallelize(build_model(cfg), cfg, devices, task, world.is_main,
                         world.local_world_size)  # placed by --model-layout
     comm_hook = register_comm_hook(model, cfg)  # None without one
-    cfg.total_steps = total_steps(cfg, data)  # task.configure_optimizer may read it
+    cfg.total_steps = schedule(cfg, len(train_set), world.world_size)[1]  # read by task code
     # fsdp on a GPU casts through its mixed-precision policy instead of autocast.
     optim = Optimization(model, cfg, devices[0], cfg.total_steps,
                          autocast=not (cfg.model_layout == "fsdp" and devices[0].type == "cuda"),
@@ -113,12 +112,6 @@ def loaders(cfg: Config, world: World, train_set: Any, val_set: Any, batches: An
         evaluator = Evaluator(task, val_loader, val_batches, device, comm_device)
     # A training set may carry a `summary` dict (e.g. files it left out): it goes in summary.json.
     return Data(batches, loader, evaluator, summary)
-
-
-def total_steps(cfg: Config, data: Data) -> int:
-    """The run's optimizer steps: --max-steps, or --epochs of this rank's batches."""
-    steps_per_epoch = math.ceil(data.batches.batches_per_epoch() / cfg.grad_accum)
-    return cfg.max_steps or steps_per_epoch * cfg.epochs
 
 
 def build_model(cfg: Config) -> torch.nn.Module:

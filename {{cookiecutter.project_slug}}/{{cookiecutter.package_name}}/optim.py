@@ -37,6 +37,30 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int,
     return factor
 
 
+def schedule(cfg: Config, samples: int, world: int) -> tuple[int, int, list[str]]:
+    """(optimizer steps an epoch, steps in the run, problems) at `world` processes; a problem is
+    a run that is not what its flags suggest: the run warns of it, `doctor --plan` fails on it."""
+    shard = math.ceil(samples / world)  # each rank's samples an epoch (data.ShardedBatchSampler)
+    per_epoch = math.ceil(math.ceil(shard / cfg.batch_size) / cfg.grad_accum)
+    total, batch = cfg.max_steps or per_epoch * cfg.epochs, cfg.batch_size * world * cfg.grad_accum
+    problems = []
+    if batch > samples:
+        extra = shard * world - samples  # the sampler's padding
+        repeats = f" (the shards repeat {extra} samples)" if extra else ""
+        problems.append(f"a global batch of {batch:,} samples (--batch-size {cfg.batch_size} x "
+                        f"{world} processes x --grad-accum {cfg.grad_accum}) is more than the "
+                        f"{samples:,} training samples: each process gets {shard} sample(s) an "
+                        f"epoch{repeats}; lower --batch-size or use more data")
+    if cfg.warmup_steps > total:
+        problems.append(f"--warmup-steps {cfg.warmup_steps} is longer than the run ({total} "
+                        "steps): the learning rate never reaches --lr")
+    if cfg.max_steps > per_epoch * cfg.epochs:
+        problems.append(f"--max-steps {cfg.max_steps} is more than --epochs {cfg.epochs} give at "
+                        f"{world} processes ({per_epoch} step(s) each): the run stops at step "
+                        f"{per_epoch * cfg.epochs}, before its schedule ends")
+    return per_epoch, total, problems
+
+
 class Optimizers(dict):
     """The run's optimizers (or their schedulers) by name: one, named "default", unless
     task.configure_optimizer names several. Their state: the one's state_dict, or one per name."""

@@ -16,9 +16,10 @@ from torch import nn
 
 from . import task
 from .config import Config
-from .data import BatchFetcher, ShardedBatchSampler
+from .data import BatchFetcher
+from .evaluation import without_validation
 from .failures import ProjectError, UsageError
-from .optim import AMP_DTYPES, optimizer_state
+from .optim import AMP_DTYPES, optimizer_state, schedule
 from .parallel import rows_on_rank, second_stage, shard_group_size, usable_blocks
 
 RESERVE_GB = 2.0  # per GPU: the CUDA context, NCCL's buffers, the caching allocator's slack
@@ -154,17 +155,17 @@ def activations(cfg: Config, train_set: Any, param_bytes: int) -> tuple[list[int
         "block's own at a time" * cfg.activation_checkpointing)
 
 
-def training_data(cfg: Config) -> tuple[int | None, str, Any]:
-    """(training samples or None, where that number comes from, a data set to measure with)."""
+def training_data(cfg: Config) -> tuple[int | None, str, Any, bool]:
+    """(training samples or None, where that number comes from, a data set to measure with,
+    whether there is a validation set): the run's data sets, built as it builds them."""
     try:
-        if cfg.data is None and hasattr(cfg.task, "dataset_size"):
-            # Synthetic: --dataset-size samples; a small copy is enough to measure with.
-            small = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, dataset_size=4))
-            return cfg.task.dataset_size, "--dataset-size", task.build_datasets(small)[0]
-        train_set = task.build_datasets(cfg)[0]  # as the run does at its start
-        return len(train_set), f"--data {cfg.data}" if cfg.data else "build_datasets", train_set
+        train_set, val_set = task.build_datasets(cfg)
     except Exception as exc:
-        return None, f"data: not checked (task.build_datasets: {type(exc).__name__}: {exc})", None
+        return (None, f"data: not checked (task.build_datasets: {type(exc).__name__}: {exc})",
+                None, True)
+    source = (f"--data {cfg.data}" if cfg.data else "--dataset-size"
+              if hasattr(cfg.task, "dataset_size") else "build_datasets")
+    return len(train_set), source, train_set, val_set is not None and len(val_set) > 0
 
 
 def settings(cfg: Config, world: int, samples: int | None, source: str, model: nn.Module,
@@ -172,29 +173,14 @@ def settings(cfg: Config, world: int, samples: int | None, source: str, model: n
     """(notes, problems) of the settings at `world` processes, worded as the run words them."""
     notes, problems, ran = [source], [], None
     if samples is not None:
-        sampler = ShardedBatchSampler(samples, 0, world, cfg.batch_size, cfg.seed)
-        per_epoch = math.ceil(sampler.batches_per_epoch() / cfg.grad_accum)  # as build_trainer
-        total = cfg.max_steps or per_epoch * cfg.epochs
+        per_epoch, total, wrong = schedule(cfg, samples, world)  # as the run counts them
         ran, batch = min(total, per_epoch * cfg.epochs), cfg.batch_size * world * cfg.grad_accum
         notes = [f"data: {samples:,} training samples ({source}); global batch {cfg.batch_size} x "
                  f"{world} x {cfg.grad_accum} = {batch:,}; {per_epoch:,} optimizer step(s) per "
                  f"epoch, {ran:,} in the run"]
         if hasattr(task, "tokens_per_sample"):
             notes.append(f"tokens per optimizer step: {batch * task.tokens_per_sample(cfg):,}")
-        if batch > samples:
-            extra = sampler.shard_size * world - samples  # the sampler's padding
-            repeats = f" (the shards repeat {extra} samples)" if extra else ""
-            problems.append(f"a global batch of {batch:,} samples (--batch-size {cfg.batch_size} x "
-                            f"{world} processes x --grad-accum {cfg.grad_accum}) is more than the "
-                            f"{samples:,} training samples: each process gets {sampler.shard_size} "
-                            f"sample(s) an epoch{repeats}; lower --batch-size or use more data")
-        if cfg.warmup_steps > total:  # loop.py's warning, word for word
-            problems.append(f"--warmup-steps {cfg.warmup_steps} is longer than the run ({total} "
-                            "steps): the learning rate never reaches --lr")
-        if cfg.max_steps > per_epoch * cfg.epochs:
-            problems.append(f"--max-steps {cfg.max_steps} is more than --epochs {cfg.epochs} give "
-                            f"at {world} processes ({per_epoch} step(s) each): the run stops at "
-                            f"step {ran}, before its schedule ends")
+        problems += wrong
     if cfg.comm_hook == "powersgd" and cfg.model_layout != "fsdp":
         # As comm_hooks.PowerSGD: a (rows, rest) gradient is compressed if that shrinks it over 2x.
         shapes = [(p.shape[0], p.numel() // p.shape[0]) if p.dim() else (1, 1)
@@ -252,7 +238,7 @@ def plan(cfg: Config, world: int, gpu_gb: float, per_node: int) -> int:
                          f"the plan needs ({type(exc).__name__}: {exc})") from None
     usable_blocks(model, task, cfg)  # what the run refuses for want of blocks, the plan refuses
     params = list(model.parameters())
-    samples, source, train_set = training_data(cfg)
+    samples, source, train_set, validated = training_data(cfg)
     acts, how = activations(cfg, train_set, sum(p.numel() * p.element_size() for p in params))
     columns, errors, optimizer = [], {}, "AdamW"
     for layout in LAYOUTS:
@@ -285,12 +271,14 @@ def plan(cfg: Config, world: int, gpu_gb: float, per_node: int) -> int:
                         " model_parallel_2: one process on two GPUs, split as parallel.py does.",
                         100))
     notes, problems = settings(cfg, world, samples, source, model, shards)
+    if not validated and (problem := without_validation(cfg)):  # as the run refuses it
+        problems.append(problem)
     if cfg.model_layout in errors or not fits[cfg.model_layout]:
         problems.insert(0, f"--model-layout {cfg.model_layout}: " + errors.get(
             cfg.model_layout, f"does not fit in {gpu_gb:g} GB per GPU (above)"))
     print(f"\nsettings at {world} processes:")
     for text in [*notes, *(f"warning: {p}" for p in problems)]:
-        print(textwrap.fill(text, 100, initial_indent="  ", subsequent_indent="    "))
+        print(textwrap.TextWrapper(100, "  ", "    ", break_on_hyphens=False).fill(text))
     if problems:
         print(f"FAIL: {len(problems)} problem(s) at {world} processes (the warnings above)")
         return 1
