@@ -144,6 +144,8 @@ def test_careless_inputs_are_one_line(tmp_path, monkeypatch):
 def test_a_prepare_never_writes_into_its_source_nor_onto_another_sources_set(tmp_path, capsys):
     source = image_folder(tmp_path / "images", 4)
     (source / "cat" / "fake.png").write_text("a note named like an image")
+    png = (source / "dog" / "000.png").read_bytes()  # its header opens, its pixels are cut off
+    (source / "dog" / "cut.png").write_bytes(png[:-20])
     files = sorted(source.rglob("*"))
     for dest in (source, source / "set", f"file://{source}/dog/set"):
         with pytest.raises(UsageError, match=r"^DEST .* is SRC .* or inside it: the shards would "):
@@ -151,7 +153,8 @@ def test_a_prepare_never_writes_into_its_source_nor_onto_another_sources_set(tmp
     assert sorted(source.rglob("*")) == files, "SRC untouched"
     index = prepare(str(source), str(tmp_path / "set"), 1, progress=False)
     assert sum(s["samples"] for s in index["shards"]) == 12 and index["source"] == str(source)
-    assert "note: left out 4 files that are not images, such as " in capsys.readouterr().err
+    assert "note: left out 5 files that are not images or cannot be decoded, such as " in \
+        capsys.readouterr().err
     other = image_folder(tmp_path / "other", 4)
     with pytest.raises(UsageError, match=f"set is a shard set made from {source}, not {other}; "):
         prepare(str(other), str(tmp_path / "set"), 1, progress=False)
@@ -168,9 +171,11 @@ def test_a_prepare_never_writes_into_its_source_nor_onto_another_sources_set(tmp
 def test_text_that_is_not_utf8_or_empty_is_one_line(tmp_path):
     (tmp_path / "latin.txt").write_bytes("the caf\u00e9 opens\n".encode("latin-1"))
     (tmp_path / "long.txt").write_bytes(b"x" * (2**22 - 1) + "\u00e9".encode() + b"\xff")
-    for name, offset in (("latin.txt", 7), ("long.txt", 2**22 + 1)):
+    (tmp_path / "utf16.txt").write_text("the caf\u00e9 opens\n", encoding="utf-16")  # with a BOM
+    for name, offset, was in (("latin.txt", 7, "latin1"), ("long.txt", 2**22 + 1, "latin1"),
+                              ("utf16.txt", 0, "utf-16")):
         with pytest.raises(UsageError, match=rf"{name}: not UTF-8 text \(byte {offset}\); "
-                           rf"convert it, e.g. iconv -f latin1 -t utf-8 .*{name} > "):
+                           rf"convert it, e.g. iconv -f {was} -t utf-8 .*{name} > "):
             prepare(str(tmp_path / name), str(tmp_path / "set"), 1, progress=False)
     (tmp_path / "empty.txt").write_text(" \n")
     with pytest.raises(UsageError, match="empty.txt: no text in it"):

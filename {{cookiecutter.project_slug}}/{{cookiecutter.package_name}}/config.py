@@ -152,7 +152,7 @@ class Config:
                                    "checkpoints/NAME (unless --output-dir / --checkpoint-dir "
                                    "are given)", type=folder_name)
     eval_every_steps: int = setting(0, "also evaluate every N optimizer steps (0: only at the end "
-                                    "of epochs)", low=0)
+                                    "of each epoch and of the run)", low=0)
     eval_only: bool = setting(False, "evaluate the --resume checkpoint, write "
                               "<output-dir>/eval.json, change nothing")
     keep_best: str | None = setting(None, "also keep the checkpoint with the best METRIC (e.g. "

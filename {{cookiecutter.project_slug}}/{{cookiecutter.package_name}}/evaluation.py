@@ -174,8 +174,7 @@ class Evaluation:
         self.cfg, self.evaluator, self.model, self.autocast = cfg, evaluator, model, autocast
         self.ema, self.is_main, self.log, self.every = ema, is_main, log, cfg.eval_every_steps
         self.selection = ModelSelection(cfg.keep_best, cfg.early_stop)
-        self.values: dict[str, float] = {}  # the last evaluation's metrics, and its step
-        self.at_step = -1
+        self.values, self.at_step = {}, -1  # the last evaluation's metrics, and its step
 
     def due(self, step: int, last_of_epoch: bool) -> bool:
         """Every --eval-every-steps, but not an epoch's last step (its end is evaluated anyway)."""

@@ -92,17 +92,17 @@ def write_images(source: Path, writer: Writer, progress: bool) -> dict[str, Any]
     random.Random(0).shuffle(files)  # every shard holds every class
     others = []
     for path, label in tqdm(files, "images", disable=not progress, unit=" files"):
-        try:
-            Image.open(path).close()  # its header: a file that is no image is left out now
-        except OSError:
+        try:  # decoded whole: a file that is no image, or a truncated one, is left out now
+            Image.open(path).load()
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
             others.append(path)
             continue
         writer.add(path.read_bytes(), label)
     if len(others) == len(files):
         raise wrong
     if others:
-        print(f"note: left out {len(others)} files that are not images, such as {others[0]}",
-              file=sys.stderr)
+        print(f"note: left out {len(others)} files that are not images or cannot be decoded, "
+              f"such as {others[0]}", file=sys.stderr)
     writer.close_shard()
     return {"kind": "images", "classes": classes}
 
@@ -136,10 +136,11 @@ def has_text(path: Path) -> bool:
             block, pending = f.read(1 << 22), len(decoder.getstate()[0])
             try:
                 seen |= bool(decoder.decode(block, final=not block).strip())
-            except UnicodeDecodeError as exc:
+            except UnicodeDecodeError as exc:  # UTF-16's byte-order mark says what it is
+                bom = offset == 0 and block[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
                 raise UsageError(f"{path}: not UTF-8 text (byte {offset - pending + exc.start}); "
-                                 f"convert it, e.g. iconv -f latin1 -t utf-8 {path} > "
-                                 f"{path.stem}-utf8.txt") from None
+                                 f"convert it, e.g. iconv -f {'utf-16' if bom else 'latin1'} -t "
+                                 f"utf-8 {path} > {path.stem}-utf8.txt") from None
             if not block:
                 return seen
             offset += len(block)
