@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 
@@ -204,3 +205,21 @@ def test_the_scripts_own_variables_are_one_line_naming_the_variable(tmp_path, bi
             assert result.returncode == 2 and result.stdout == "", (script, name, result.stdout)
             assert result.stderr.startswith(f"error: {name}={value}: give ") and \
                 result.stderr.count("\n") == 1, result.stderr
+
+
+def test_an_endpoint_held_by_another_program_is_one_line_at_once(tmp_path, bin_dir):
+    """A program that accepts connections and never answers, on the head's endpoint: torchrun
+    would wait minutes for it; the script's probe (a store answers a PING at once) says so in one
+    line within its 2 s."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(4)  # connections complete in the backlog; nothing is ever sent back
+        endpoint = f"127.0.0.1:{other.getsockname()[1]}"
+        started = time.monotonic()
+        result = run_cmd(["bash", str(PROJECT_ROOT / "scripts/train_multinode.sh"), "1", "0",
+                          endpoint, "--timeout-s", "30"], tmp_path, PATH=path_with(bin_dir),
+                         PYTHON=sys.executable, timeout=60)
+    assert time.monotonic() - started < 30
+    assert result.returncode == 1 and one_error(result).startswith(
+        f"error: {endpoint} is held by a program that is not a torchrun rendezvous; ")
+    assert "Traceback" not in result.stderr
