@@ -21,15 +21,10 @@ if [[ ! "${MAX_RESTARTS:-3}" =~ ^[0-9]+$ ]]; then
   exit 2
 fi
 # A mistake at task.py's top level (the import runs it: a syntax error, an ImportError, a
-# NameError): Python's own lines for it (file, line, error), without our frames; exit 1.
-LAUNCH=$("$PYTHON" -c "import os, sys, traceback
-try:
-    from {{ cookiecutter.package_name }}.doctor import preflight
-except Exception as exc:
-    ours = sys.modules['{{ cookiecutter.package_name }}'].__path__[0] + os.sep
-    tb = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.endswith('task.py')
-          or not f.filename.startswith(('<', ours))]
-    sys.exit(''.join(traceback.format_list(tb) + traceback.format_exception_only(exc)).rstrip())
+# NameError): Python's own lines for it (file, line, error), without our frames, as train.py
+# gives them on import; exit 1.
+LAUNCH=$("$PYTHON" -c "import sys, train
+from {{ cookiecutter.package_name }}.doctor import preflight
 print(preflight(sys.argv[2:], caller=sys.argv[1]))" "$CALLER" "$@")
 eval "set -- $LAUNCH"  # the process count, then the flags with their paths made absolute
 NPROC=${NPROC:-$1}

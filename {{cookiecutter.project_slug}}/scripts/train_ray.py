@@ -11,6 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import train  # noqa: E402, F401  (first: a mistake in task.py is Python's own lines, as train.py's)
 from {{ cookiecutter.package_name }}.runtime.ray_train import main  # noqa: E402
 
 if __name__ == "__main__":

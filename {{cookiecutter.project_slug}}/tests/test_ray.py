@@ -28,7 +28,9 @@ from conftest import (
     final_model,
     ok,
     one_error,
+    project_copy,
     read_metrics,
+    run_cmd,
     skip_unless_example_task,
     summary,
 )
@@ -197,3 +199,18 @@ def test_too_small_a_cluster_or_none_is_one_line_naming_ray_start(cluster, tmp_p
     assert result.returncode == 1
     line = one_error(result)
     assert "no Ray cluster answers at RAY_ADDRESS=127.0.0.1:" in line and "ray start" in line
+
+
+def test_a_syntax_error_in_task_py_is_pythons_own_lines_before_ray_starts(tmp_path):
+    """scripts/train_ray.py imports train.py first: the file, the line and the error, as the
+    other entry points give them, not a traceback through the driver's imports."""
+    project = project_copy(tmp_path)
+    task = project / "{{ cookiecutter.package_name }}/task.py"
+    line = task.read_text().count("\n") + 2
+    task.write_text(task.read_text() + "\ndef broken(:\n")
+    result = run_cmd([sys.executable, str(project / "scripts/train_ray.py"), "--workers", "2"],
+                     tmp_path, PYTHONPATH=str(project), timeout=60)
+    said = result.stderr.splitlines()
+    assert result.returncode == 1 and result.stdout == "", result.stderr
+    assert said[0] == f'  File "{task}", line {line}' and len(said) == 4, result.stderr
+    assert said[-1].startswith("SyntaxError: ")

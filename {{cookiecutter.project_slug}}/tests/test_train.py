@@ -157,7 +157,8 @@ def test_a_mistake_the_processes_find_ends_the_local_script_at_once(workdir):
 def test_a_syntax_error_in_task_py_is_pythons_own_lines_from_the_local_script(tmp_path, bin_dir):
     """The script's check imports task.py: a syntax error there is the file, the line and the
     caret as Python gives them, not a traceback through the import machinery; exit 1. So is an
-    ImportError or a NameError at its top level (its frame and the error)."""
+    ImportError or a NameError at its top level (its frame and the error); train.py gives the
+    same lines."""
     project = project_copy(tmp_path)
     task = project / "{{ cookiecutter.package_name }}/task.py"
     original = task.read_text()
@@ -169,6 +170,10 @@ def test_a_syntax_error_in_task_py_is_pythons_own_lines_from_the_local_script(tm
     assert result.returncode == 1 and result.stdout == "" and "Traceback" not in result.stderr
     assert said[:2] == [f'  File "{task}", line {line}', "    def broken(:"], result.stderr
     assert said[-2].strip() == "^" and said[-1].startswith("SyntaxError: "), result.stderr
+    # The same lines from train.py itself, under spawn too (each process imports it).
+    spawned = run_cmd([sys.executable, str(project / "train.py"), "--nprocs", "2"], tmp_path,
+                      PYTHONPATH=str(project))
+    assert spawned.returncode == 1 and spawned.stderr == result.stderr, spawned.stderr
     # An ImportError or a NameError there: the same form, task.py's frame and the error.
     for mistake, error in (("import no_such_module_here", "ModuleNotFoundError: No module named"),
                            ("undefined_name + 1", "NameError: name 'undefined_name'")):
