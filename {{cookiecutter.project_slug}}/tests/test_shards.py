@@ -247,6 +247,21 @@ def test_bucket_mistakes_are_one_line(tmp_path, s3, monkeypatch):
         monkeypatch.setenv(name, value)
     with pytest.raises(UsageError, match="s3://nobucket/set: no such bucket 'nobucket'"):
         prepare(str(image_folder(tmp_path / "images", 1)), "s3://nobucket/set", 1, progress=False)
+    import s3fs
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no asking 169.254.169.254
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:  # botocore's NoCredentialsError, which is no OSError: one line too
+        with pytest.raises(UsageError, match="^s3://bkt/set: no credentials found; set AWS_"):
+            prepare(str(tmp_path / "images"), "s3://bkt/set", 1, progress=False)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        monkeypatch.undo()
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
     for url, says in (("s3://bkt/nothing", "no shard set there (no index.json); write one with"),
                       ("s3://nobucket/set", "no such bucket 'nobucket'")):
         result = run_cmd([sys.executable, TRAIN, "--data", url], tmp_path, **s3.env())

@@ -182,19 +182,19 @@ def prepare(source: str, dest: str, shard_mb: float, tokenizer: str | None = Non
         raise UsageError(f"DEST {dest} is SRC {source} or inside it: the shards would land among "
                          "SRC's files; give a DEST outside SRC")
     try:
-        if (target / INDEX).exists():
-            index = json.loads((target / INDEX).read_text())
-            if index.get("source", made_from) != made_from:
-                raise UsageError(f"{storage.shown(dest)} is a shard set made from "
-                                 f"{index['source']}, not {made_from}; give another DEST (or "
-                                 "delete that set to replace it)")
-            print(f"{storage.shown(dest)} is a complete shard set ({sum_samples(index)} "
-                  f"{index['kind']} in {len(index['shards'])} shards): nothing to do")
-            return index
-        if isinstance(target, storage.RemotePath):
+        index = json.loads((target / INDEX).read_text()) if (target / INDEX).exists() else None
+        if index is None and isinstance(target, storage.RemotePath):
             target.fs.ls(target.key.split("/")[0])  # is the bucket there?
-    except OSError as exc:
+    except Exception as exc:  # OSError, or botocore's own (no credentials: not an OSError)
         raise UsageError(f"{storage.redact(dest)}: {storage.diagnosis(dest, exc)}") from None
+    if index is not None:
+        if index.get("source", made_from) != made_from:
+            raise UsageError(f"{storage.shown(dest)} is a shard set made from "
+                             f"{index['source']}, not {made_from}; give another DEST (or "
+                             "delete that set to replace it)")
+        print(f"{storage.shown(dest)} is a complete shard set ({sum_samples(index)} "
+              f"{index['kind']} in {len(index['shards'])} shards): nothing to do")
+        return index
     if not src.exists():
         raise UsageError(f"{source}: no such file or folder")
     with tempfile.TemporaryDirectory(prefix="shards-") as tmp:
