@@ -242,18 +242,20 @@ def test_ranks_that_drift_apart_stop_the_run_in_one_line_before_a_save(tmp_path)
 
 
 def test_the_fingerprint_sees_changes_that_keep_every_sum():
-    """Two weights swapped (across rows, or within one), or one raised and one lowered: the sum
-    is the same, the replica check's fingerprint is not; a 0-dim parameter and an empty fsdp
-    shard have one too."""
+    """Two weights swapped (across rows, or within one), one raised and one lowered, or four
+    changed so that every row and every column keeps its sum: the sum is the same, the replica
+    check's fingerprint is not; a 0-dim parameter and an empty fsdp shard have one too."""
     w = torch.randn(5, 3, dtype=torch.float64)
-    swapped, in_a_row, moved = w.clone(), w.clone(), w.clone()
+    swapped, in_a_row, moved, kept = w.clone(), w.clone(), w.clone(), w.clone()
     swapped[1, 2], swapped[3, 0] = w[3, 0], w[1, 2]
     in_a_row[2, 0], in_a_row[2, 1] = w[2, 1], w[2, 0]
     moved[0, 0], moved[4, 2] = w[0, 0] + 0.5, w[4, 2] - 0.5
-    for other in (swapped, in_a_row, moved):
+    kept[1:3, 0:2] += torch.tensor([[0.5, -0.5], [-0.5, 0.5]], dtype=torch.float64)
+    assert torch.allclose(kept.sum(0), w.sum(0)) and torch.allclose(kept.sum(1), w.sum(1))
+    for other in (swapped, in_a_row, moved, kept):
         assert torch.isclose(other.sum(), w.sum()) and fingerprint(other) != fingerprint(w)
     assert fingerprint(w.clone()) == fingerprint(w)
-    assert fingerprint(torch.tensor(2.0)) == 6.0 and fingerprint(torch.empty(0, 4)) == 0
+    assert fingerprint(torch.tensor(2.0)) == 2.0 and fingerprint(torch.empty(0, 4)) == 0
 
 
 # ---------------------------------------------------------------- the checks, in this process

@@ -3,10 +3,10 @@ file, to train your own model on your own data (README.md, "Your model and data"
 
 This example: a small CNN that sorts 3x16x16 images into classes, trained with cross-entropy and
 scored by accuracy. Synthetic images by default; `--data FOLDER` reads an image folder, one
-sub-folder per class (`FOLDER/cat/001.jpg`, ...), decoding one image at a time from disk with
-Pillow (JPEG, PNG, PPM, WebP, ...: what torchvision's ImageFolder reads), with a random horizontal
-flip for training (use `--num-workers N` to decode in worker processes). `--data` may also name a
-shard set made from such a folder, in a folder or a bucket (docs/data.md).
+sub-folder per class (`FOLDER/cat/001.jpg`, ...: what torchvision's ImageFolder reads), decoded
+one at a time by Pillow, flipped at random for training (`--num-workers N` decodes in worker
+processes), or a shard set made from one, in a folder or a bucket (docs/data.md).
+All processes run this: print once under `if not dist.is_initialized() or dist.get_rank() == 0`.
 
 The rest of the project relies on:
     build_datasets(cfg) -> (train, val)    map-style Datasets, the same on every rank (val or None)

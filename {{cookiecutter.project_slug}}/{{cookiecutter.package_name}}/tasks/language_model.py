@@ -8,6 +8,7 @@ Synthetic text by default; `--data FILE` trains on a text file, read one window 
 bytes at a time from disk (use `--num-workers N` to read in worker processes). `--data` may also
 name a shard set of tokens (a byte-level BPE's), in a folder or a bucket (docs/data.md): the
 vocabulary is then the tokenizer's, padded to a multiple of 64.
+All processes run this: print once under `if not dist.is_initialized() or dist.get_rank() == 0`.
 
 The rest of the project relies on:
     build_datasets(cfg) -> (train, val)    map-style Datasets, the same on every rank (val or None)

@@ -4,6 +4,7 @@ file, to train your own model on your own data (README.md, "Your model and data"
 This example: an MLP that predicts one number from 20 features, trained with mean squared error.
 Synthetic data by default; `--data file.csv` reads rows of 20 features and a target, one sample at
 a time from disk (use `--num-workers N` to read in worker processes).
+All processes run this: print once under `if not dist.is_initialized() or dist.get_rank() == 0`.
 
 The rest of the project relies on:
     build_datasets(cfg) -> (train, val)    map-style Datasets, the same on every rank (val or None)
