@@ -214,3 +214,54 @@ def test_a_syntax_error_in_task_py_is_pythons_own_lines_before_ray_starts(tmp_pa
     assert result.returncode == 1 and result.stdout == "", result.stderr
     assert said[0] == f'  File "{task}", line {line}' and len(said) == 4, result.stderr
     assert said[-1].startswith("SyntaxError: ")
+
+
+def run_until_saved(cluster, tmp_path) -> subprocess.Popen:
+    """A 2-worker run, once its first checkpoint is written."""
+    job = subprocess.Popen([sys.executable, SCRIPT, "--workers", "2", *FLAGS], cwd=tmp_path,
+                           env=ray_env(cluster), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    while not [p for p in list_checkpoints(tmp_path / "checkpoints") if p.suffix == ".pt"]:
+        assert job.poll() is None, job.communicate()
+        time.sleep(0.05)
+    return job
+
+
+def ended(job: subprocess.Popen, timeout: float = 90) -> tuple[str, str]:
+    try:
+        return job.communicate(timeout=timeout)
+    finally:
+        if job.poll() is None:
+            job.kill()
+
+
+def test_ctrl_c_on_the_driver_is_one_line_naming_the_newest_checkpoint(cluster, tmp_path):
+    """Ray's own Ctrl-C handler aborts the workers at once (they cannot save, unlike under
+    torchrun): the driver says so in one line naming the newest checkpoint, exit 130, and no
+    worker is left."""
+    job = run_until_saved(cluster, tmp_path)
+    job.send_signal(signal.SIGINT)
+    out, err = ended(job)
+    assert job.returncode == 130, out + err
+    said = [line for line in err.splitlines() if line.startswith("stopped by Ctrl-C")]
+    assert len(said) == 1 and "the newest checkpoint is " in said[0], err
+    assert "Traceback" not in err, err
+    deadline = time.monotonic() + 30
+    while train_workers(cluster["temp"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not train_workers(cluster["temp"])
+
+
+def test_the_cluster_killed_mid_run_is_one_line_naming_the_newest_checkpoint(cluster, tmp_path):
+    """Last in this file: it SIGKILLs the cluster (its head, its workers). The driver's run ends
+    with one line, not Ray's traceback; the checkpoints are the project's and stay."""
+    job = run_until_saved(cluster, tmp_path)
+    for pid in cluster_processes(cluster["temp"]):
+        if pid != job.pid:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    out, err = ended(job)
+    assert job.returncode == 1 and "Traceback" not in err, out + err
+    line = one_error(subprocess.CompletedProcess([], 1, out, err))
+    assert line.startswith("error: the Ray cluster stopped answering (") and \
+        "the newest checkpoint is " in line and "ray start" in line, line

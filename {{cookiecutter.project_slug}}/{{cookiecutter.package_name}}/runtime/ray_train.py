@@ -13,6 +13,7 @@ every raised error and every dead worker, and no restart cures a mistake. A work
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -22,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import doctor, metrics, task
+from ..checkpoint.files import is_complete, list_checkpoints
 from ..config import parse_args
 from ..main import main as train_main
 from . import environments
@@ -158,6 +160,12 @@ def storage_path(output_dir: str) -> str:
     return os.path.abspath(os.path.join(output_dir, "ray"))
 
 
+def newest(checkpoint_dir: str) -> str:
+    """The newest complete checkpoint of the run, as the driver's last line names it."""
+    done = [p for p in list_checkpoints(checkpoint_dir) if is_complete(p)]
+    return f"the newest checkpoint is {done[0]}" if done else "no checkpoint was saved yet"
+
+
 def main(argv: list[str] | None = None) -> int:
     """The driver: check, connect, fit. Returns the exit code."""
     args, rest = own_flags(sys.argv[1:] if argv is None else argv)
@@ -198,6 +206,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: Ray Train stopped after {args.max_restarts} restart(s): {first}; see the "
               "workers' output above", file=sys.stderr, flush=True)
         return 1
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C: Ray's handler aborts the workers, unsaved
+        print(f"stopped by Ctrl-C, without a save; {newest(cfg.checkpoint_dir)}; the same "
+              "command resumes from it", file=sys.stderr, flush=True)
+        return 130
+    except Exception as exc:  # Ray's own: the cluster went away (its head killed), not the run
+        print(f"error: the Ray cluster stopped answering ({type(exc).__name__}); "
+              f"{newest(cfg.checkpoint_dir)}; start the cluster again (ray start) and run the "
+              "same command to resume from it", file=sys.stderr, flush=True)
+        return 1
     finally:
-        ray.shutdown()
+        with contextlib.suppress(Exception):  # a cluster gone: nothing left to disconnect from
+            ray.shutdown()
     return result.return_value if isinstance(result.return_value, int) else 1
