@@ -2,8 +2,8 @@
 only here: callers call plain functions. Each entry names what it reaches into, the releases that
 have it, and what a torch without it gets: a fallback that keeps the result right (said in a
 `note:` line) or one `error:` line naming the feature, the torch found and the first release with
-it. Run on 2.6.0, 2.7.1, 2.9.1, 2.13.0 and 2.14.1 (the template's `make torch-range`, 2026-12-04:
-docs/configuration.md), and each entry without its attribute (tests/test_torch_private.py)."""
+it. Run on every minor release from 2.6.0 to 2.14.1 (the template's `make torch-range`,
+2026-12-04: docs/configuration.md), and each entry without its attribute (test_torch_private)."""
 
 from __future__ import annotations
 
