@@ -183,17 +183,19 @@ def test_a_flag_typo_is_one_line_before_ray_starts(cluster, tmp_path):
     assert result.returncode == 2 and "--env NOT_SET_HERE: no such variable" in one_error(result)
 
 
-def test_too_small_a_cluster_or_none_is_one_line_naming_ray_start(cluster, tmp_path):
+def test_too_small_a_cluster_or_none_is_one_line_naming_ray_start(cluster, tmp_path,
+                                                                  monkeypatch):
     result = train_ray(["--workers", "3", "--epochs", "1"], tmp_path, cluster, timeout=60)
     assert result.returncode == 1
     line = one_error(result)
     assert "--workers 3 needs 3 CPUs but the Ray cluster has 2" in line and "ray start" in line
+    # Addresses that are none (the driver's `error:` line is the one above): in this process.
+    from {{ cookiecutter.package_name }}.runtime.ray_train import connect
     for address, said in (("http://127.0.0.1:8265", "is a dashboard's address; give the cluster's"),
                           ("127.0.0.1:abc", "no Ray cluster to join at RAY_ADDRESS=127.0.0.1:abc"),
                           ("not-an-address", "no Ray cluster to join at RAY_ADDRESS=not-an")):
-        result = train_ray(["--workers", "2"], tmp_path, {**cluster, "RAY_ADDRESS": address},
-                           timeout=60)
-        assert result.returncode == 1 and said in one_error(result), result.stderr
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        assert said in (connect(2, {}) or ""), address
     nowhere = {**cluster, "RAY_ADDRESS": f"127.0.0.1:{find_free_port()}"}
     result = train_ray(["--workers", "2", "--epochs", "1"], tmp_path, nowhere, timeout=60)
     assert result.returncode == 1
