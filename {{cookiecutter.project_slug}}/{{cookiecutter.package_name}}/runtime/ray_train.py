@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import doctor, metrics, task
-from ..checkpoint.files import is_complete, list_checkpoints
+from ..checkpoint.resume import pick_checkpoint
 from ..config import parse_args
 from ..main import main as train_main
 from . import environments
@@ -161,9 +161,9 @@ def storage_path(output_dir: str) -> str:
 
 
 def newest(checkpoint_dir: str) -> str:
-    """The newest complete checkpoint of the run, as the driver's last line names it."""
-    done = [p for p in list_checkpoints(checkpoint_dir) if is_complete(p)]
-    return f"the newest checkpoint is {done[0]}" if done else "no checkpoint was saved yet"
+    """The checkpoint the same command resumes from (--resume auto's), for the last line."""
+    found = pick_checkpoint("auto", checkpoint_dir)
+    return f"the newest checkpoint is {found}" if found else "no checkpoint was saved yet"
 
 
 def main(argv: list[str] | None = None) -> int:
