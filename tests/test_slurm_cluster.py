@@ -49,13 +49,13 @@ if hook == "fail-on-rank-1" and os.environ.get("SLURM_PROCID") == "1":
     loop.Trainer._run_batch = failing
 elif hook == "slow-start":
     import time
-    import ddp_project.checkpoint.checkpointer as checkpointer
-    pick = checkpointer.pick_checkpoint
+    import ddp_project.checkpoint.resume as resume
+    pick = resume.pick_checkpoint
     def slow(*args, **kwargs):
         print("starting slowly", flush=True)
         time.sleep(15)
         return pick(*args, **kwargs)
-    checkpointer.pick_checkpoint = slow
+    resume.pick_checkpoint = slow
 """
 
 

@@ -40,6 +40,7 @@ HOOKS = """
 import ctypes, os, sys, time
 from pathlib import Path
 import {{ cookiecutter.package_name }}.checkpoint.checkpointer as checkpointer
+import {{ cookiecutter.package_name }}.checkpoint.resume as resume
 import {{ cookiecutter.package_name }}.loop as loop
 import {{ cookiecutter.package_name }}.runtime.rendezvous as rendezvous
 from {{ cookiecutter.package_name }}.failures import UsageError
@@ -65,7 +66,7 @@ if __name__ == "__main__":
     if hook == "hold-the-lock":
         checkpointer.agree = hold_the_lock  # every rank, inside the resume's deadline
     elif hook == "storage-hangs":
-        checkpointer.pick_checkpoint = storage_hangs
+        resume.pick_checkpoint = storage_hangs
     elif hook == "garbage-store-file":
         rendezvous.check_store_file = lambda path: None  # let PyTorch meet it
     elif hook == "fail-on-request":

@@ -150,13 +150,13 @@ def test_an_unreachable_tcp_address(workdir, hosts):
 
 HUNG_STORAGE = """
 import sys, time
-import {{ cookiecutter.package_name }}.checkpoint.checkpointer as checkpointer
+import {{ cookiecutter.package_name }}.checkpoint.resume as resume
 from {{ cookiecutter.package_name }}.main import main
 
 def hang(*args):  # rank 0's storage stops answering while it looks for checkpoints
     time.sleep(3600)
 
-checkpointer.pick_checkpoint = hang
+resume.pick_checkpoint = hang
 sys.exit(main(sys.argv[1:]))
 """
 

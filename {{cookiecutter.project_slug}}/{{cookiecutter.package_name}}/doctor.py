@@ -127,8 +127,7 @@ def traps(world: World, cuda_count: int, backend: str) -> list[str]:
         found.append(f"{world.local_world_size} processes on this node but {cuda_count} visible "
                      "GPU(s): NCCL refuses two ranks on one GPU; start one process per GPU")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and cuda_count and len([v for v in visible.split(",") if v]) != \
-            cuda_count:
+    if visible is not None and cuda_count and sum(map(bool, visible.split(","))) != cuda_count:
         found.append(f"CUDA_VISIBLE_DEVICES={visible} names {len(visible.split(','))} device(s) "
                      f"but {cuda_count} are visible: some ids do not exist on this machine")
     if os.path.isdir("/dev/shm"):

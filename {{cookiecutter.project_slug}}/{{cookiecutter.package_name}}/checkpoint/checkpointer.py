@@ -22,18 +22,9 @@ from ..optim import Optimization
 from ..runtime.comm_hooks import PowerSGD
 from ..runtime.environments import World
 from ..runtime.lifeline import Lifeline
-from . import storage
+from . import resume, storage
 from .files import checkpoint_path
 from .folder import CheckpointDir, Staging
-from .resume import (
-    config_differences,
-    gather_rng_states,
-    keep_retention,
-    load_into,
-    newest_finite,
-    pick_checkpoint,
-    restore_position,
-)
 
 
 class Checkpointer:
@@ -86,7 +77,7 @@ class Checkpointer:
             self.keep_next = False
             if self.ckpt_dir is not None:
                 self.ckpt_dir.keep_step = step  # beside the newest, never pruned
-        rng = gather_rng_states(self.device, self.comm_device)
+        rng = resume.gather_rng_states(self.device, self.comm_device)
         meta = {**loop_state, "world_size": self.world.world_size,
                 "batch_size": self.cfg.batch_size, "grad_accum": self.cfg.grad_accum,
                 "optim": self.optim.state_dict(), "config": self.cfg.to_dict()}
@@ -115,9 +106,8 @@ class Checkpointer:
     def _prepare_folder(self) -> None:
         """Rank 0, before this run's first save: other runs' checkpoints move aside."""
         if not self._set_aside:
-            moved = self.ckpt_dir.set_aside(storage.location(self.resumed_from)
-                                            if self.resumed_from else None)
-            if moved:
+            if moved := self.ckpt_dir.set_aside(storage.location(self.resumed_from)
+                                                if self.resumed_from else None):
                 print(f"note: moved checkpoints of another run (or later than the one resumed) "
                       f"to {moved}", flush=True)
             self._set_aside = True
@@ -169,19 +159,20 @@ class Checkpointer:
                 print(f"--resume weights-only: the weights of {path}; the optimizers, their "
                       "schedules and the position start afresh", flush=True)
             return None
-        epoch, batch, step = restore_position(meta, self.cfg, self.world.world_size,
-                                              batches_per_epoch, path, self.world.is_main, data)
+        epoch, batch, step = resume.restore_position(meta, self.cfg, self.world.world_size,
+                                                     batches_per_epoch, path, self.world.is_main,
+                                                     data)
         self.resumed_from, self.saved_step = str(path), step
         for saver in (self.ckpt_dir, self.dcp):  # what an error names as the newest checkpoint
             if saver is not None:
                 saver.saved = path
-        retention = keep_retention(self.cfg, meta.get("config", {}))  # every rank: same cfg
+        retention = resume.keep_retention(self.cfg, meta.get("config", {}))  # every rank: same cfg
         if self.ckpt_dir is not None:
             self.ckpt_dir.keep_last = self.cfg.keep_last
             self.ckpt_dir.keep_step = (meta.get("selection") or {}).get("best", {}).get("step")
         if self.world.is_main:
             print(f"resumed from {path} (epoch {epoch}, batch {batch}, step {step})", flush=True)
-            if changed := config_differences(meta.get("config", {}), self.cfg.to_dict()):
+            if changed := resume.config_differences(meta.get("config", {}), self.cfg.to_dict()):
                 print(f"note: settings that differ from the checkpoint's run: {'; '.join(changed)}",
                       flush=True)
             for note in retention:
@@ -197,22 +188,22 @@ class Checkpointer:
         if bad.item():
             def refuse() -> None:
                 raise UsageError(f"checkpoint {path} holds nan or inf weights (its run diverged); "
-                                 f"{newest_finite(self.cfg.checkpoint_dir, step)}")
+                                 f"{resume.newest_finite(self.cfg.checkpoint_dir, step)}")
             agree(refuse, self.comm_device)
 
     def _open_and_pick(self) -> str | None:
         self.ckpt_dir.open()
         # Parameters and AdamW's two moments, 4 bytes each: what one checkpoint needs on disk.
         self.ckpt_dir.check_space(12 * sum(p.numel() for p in self.model.parameters()))
-        path = pick_checkpoint(self.cfg.resume, self.cfg.checkpoint_dir)
+        path = resume.pick_checkpoint(self.cfg.resume, self.cfg.checkpoint_dir)
         return None if path is None else str(path)
 
     def _load(self, path: storage.AnyPath, weights_only: bool) -> dict[str, Any]:
         """Every rank: the checkpoint into the model, EMA and (unless `weights_only`) the rest."""
         note = None
         try:  # a failure here fails again at every restart: `everywhere`, so there is none
-            meta = load_into(path, self.model, self.optim, self.world.world_size,
-                             self.world.rank, self.cfg.batch_size, self.device, weights_only)
+            meta = resume.load_into(path, self.model, self.optim, self.world.world_size,
+                                    self.world.rank, self.cfg.batch_size, self.device, weights_only)
             if not weights_only:
                 self.optim.load_state_dict(meta["optim"])
                 if self.comm_hook is not None and meta.get("comm_hook") is not None:

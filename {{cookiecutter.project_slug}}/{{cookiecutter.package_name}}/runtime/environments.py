@@ -35,8 +35,6 @@ class World:
 
 
 class Environment(Protocol):
-    """What every launcher environment class provides."""
-
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool: ...
 

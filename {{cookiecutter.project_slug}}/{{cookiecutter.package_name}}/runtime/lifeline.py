@@ -29,8 +29,7 @@ from pathlib import Path
 from .backstop import MARGIN_S, SAME_EVENT_S, Backstop
 
 _terminal_fd = 2  # where this process's own lines go (see keep_torch_messages_in)
-STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT] + (
-    [signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
+STOP_SIGNALS = [getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, n)]
 ENDING = (signal.SIGTERM, signal.SIGINT)  # a second one ends it at once (SIGUSR1 only warns)
 
 
