@@ -119,6 +119,17 @@ def test_careless_inputs_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match="is smaller than one shard of s3://b/set"):
         read.Cache(read.storage.RemotePath("s3://b/set", fs=object()), str(tmp_path / "c"),
                    1e-9, index, 300)
+    for change in (1, -1):  # a count edited: more samples than the files hold, or fewer
+        shards = [{**index["shards"][0], "samples": index["shards"][0]["samples"] + change}]
+        (tmp_path / "set" / "index.json").write_text(json.dumps({**index, "shards": shards}))
+        with pytest.raises(UsageError, match=r"index.json gives shard 00000 \d+ samples, its "
+                                             r"files hold \d+ \(index.json edited\?\); prepare"):
+            ShardSet(cfg.data, cfg, "train", as_stored)
+    (tmp_path / "set" / "index.json").write_text(json.dumps(index))
+    (tmp_path / "set" / "cat").mkdir()  # the set copied into an image folder
+    with pytest.raises(UsageError, match="a shard set .* and folders .* a folder of its own"):
+        read.is_shard_set(cfg.data)
+    (tmp_path / "set" / "cat").rmdir()
     (tmp_path / "set" / "00001.idx").unlink()
     with pytest.raises(UsageError, match="shard file 00001.idx is missing .* prepare the shard "):
         ShardSet(cfg.data, cfg, "train", as_stored)

@@ -45,6 +45,11 @@ def is_shard_set(data: str | None) -> bool:
     except OSError as exc:  # object storage: credentials, endpoint, bucket
         raise UsageError(f"--data {storage.redact(data)}: {storage.diagnosis(data, exc)}",
                          everywhere=True) from None
+    if found and not storage.is_url(data) and any(p.is_dir() and p.name[0] != "."
+                                                  for p in root.iterdir()):
+        raise UsageError(f"--data {data}: a shard set ({INDEX}) and folders (an image folder's "
+                         "classes?) in one folder; give the shard set a folder of its own",
+                         everywhere=True)
     if not found and (storage.is_url(data) or (root / "00000.bin").exists()):
         what = (f"no shard set there (no {INDEX})" if storage.is_url(data) else
                 f"an unfinished shard set (no {INDEX}: its prepare stopped)")
@@ -169,6 +174,12 @@ def check_files(root: storage.AnyPath, data: str, index: dict[str, Any]) -> None
             what = "missing" if file not in found else f"{found[file]} bytes, not {size}"
             raise UsageError(f"--data {storage.redact(data)}: shard file {file} is {what} "
                              "(a copy cut short?); prepare the shard set again", everywhere=True)
+    per = {"uint16": 2, "int32": 4}.get(index.get("dtype"), 24)  # a token, or an .idx row
+    for s in index["shards"]:  # the counts agree with the files' sizes (checked above)
+        if s["samples"] * per != (size := s.get("idx_bytes" if per == 24 else "bytes", 0)):
+            raise UsageError(f"--data {storage.redact(data)}: {INDEX} gives shard {s['name']} "
+                             f"{s['samples']} samples, its files hold {size // per} ({INDEX} "
+                             "edited?); prepare the shard set again", everywhere=True)
 
 
 class Cache:
