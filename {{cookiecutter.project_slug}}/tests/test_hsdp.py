@@ -85,13 +85,25 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 # train.py with plain SGD: AdamW divides each step by the gradient's own size, which hides
 # gradients summed over the ranks instead of averaged (pytorch#162338 reported such a sum); SGD
-# moves twice as far.
+# moves twice as far. And each rank builds other weights (a rank-seeded init): fsdp must start
+# every rank from rank 0's, as DDP's wrap does, or the shards are pieces of different models.
 WITH_SGD = """
+import os
 import torch
 import {{ cookiecutter.package_name }}.task as task
 from {{ cookiecutter.package_name }}.main import exit_process, main
 
 task.configure_optimizer = lambda model, cfg: torch.optim.SGD(model.parameters(), lr=cfg.lr)
+build_model = task.build_model
+
+def rank_seeded(cfg):
+    model = build_model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(int(os.environ.get("RANK", 0)))
+    return model
+
+task.build_model = rank_seeded
 exit_process(main())
 """
 

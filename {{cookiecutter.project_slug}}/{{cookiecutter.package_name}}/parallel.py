@@ -177,6 +177,8 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
                          "which needs numpy: pip install numpy", everywhere=True)
     private.fsdp_on(device)
     model.to(device)
+    for tensor in model.state_dict().values():  # rank 0's weights everywhere, as DDP's wrap does
+        dist.broadcast(tensor, src=0)  # (a rank-seeded init would shard pieces of other models)
     replicas = dist.get_world_size() // shard
     # One dimension: plain fsdp. Two: HSDP, fully_shard replicates over the first and shards
     # over the second (each group of `shard` consecutive ranks holds one copy).
