@@ -4,6 +4,7 @@ CPU, and a setting that is wrong only at 64 processes is named."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -88,6 +89,7 @@ def test_a_plan_for_64_processes_runs_on_this_cpu(workdir, capsys):
         assert f"{human_size(whole[part]):>18}{human_size(hsdp[part]):>18}" in rows[part]
     assert "settings at 64 processes:" in stdout
     assert "OK: --model-layout" in stdout
+    assert not re.search(r"--[\w-]*-\n", stdout)  # no flag broken at its hyphen
 
 
 def test_a_setting_wrong_only_at_64_processes_is_named(workdir, capsys):

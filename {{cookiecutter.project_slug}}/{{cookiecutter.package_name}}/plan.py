@@ -269,7 +269,7 @@ def plan(cfg: Config, world: int, gpu_gb: float, per_node: int) -> int:
                         f"activations ({how}); fsdp gathered (the root unit and two blocks "
                         "unsharded, one unit's gradients; with --grad-accum above 1 all gradients)."
                         " model_parallel_2: one process on two GPUs, split as parallel.py does.",
-                        100))
+                        100, break_on_hyphens=False))
     notes, problems = settings(cfg, world, samples, source, model, shards)
     if not validated and (problem := without_validation(cfg)):  # as the run refuses it
         problems.append(problem)
