@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from array import array
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from conftest import (
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints
 from {{ cookiecutter.package_name }}.config import parse_args
+from {{ cookiecutter.package_name }}.failures import UsageError
 
 
 def doc_inputs(root: Path) -> list[str]:
@@ -57,6 +59,21 @@ def test_text_file_is_read_one_window_at_a_time_by_worker_processes(workdir):
     windows = task.TextWindows(workdir / "corpus.txt", 64)
     assert len(windows) == (len(text) - 1) // 64
     assert bytes(windows[1].tolist()) == text[64:2 * 64 + 1]
+
+
+def test_nanogpt_token_files_are_read_as_uint16_ids(tmp_path):
+    """nanoGPT's train.bin: GPT-2's ids as uint16, read as tokens (not as text), and an id beyond
+    --vocab-size is one line naming the size that fits, not an index error in the embedding."""
+    ids = torch.randint(50257, (1000,), generator=torch.Generator().manual_seed(0))
+    (tmp_path / "train.bin").write_bytes(array("H", ids.tolist()).tobytes())
+    cfg = parse_args(["--data", str(tmp_path / "train.bin"), "--vocab-size", "50304",
+                      "--val-fraction", "0.1"], task.Settings)
+    train, val = task.build_datasets(cfg)
+    assert len(train) + len(val) == (1000 - 1) // 64
+    assert torch.equal(train.dataset[2], ids[128:128 + 65])
+    with pytest.raises(UsageError, match=r"token id \d+ is beyond --vocab-size 256; GPT-2's ids "
+                                         r"\(nanoGPT's .bin files\) need 50304"):
+        task.TextWindows(tmp_path / "train.bin", 64)[2]
 
 
 def test_a_file_shorter_than_two_windows_is_one_error_line(workdir):

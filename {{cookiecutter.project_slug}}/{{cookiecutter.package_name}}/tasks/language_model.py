@@ -4,10 +4,10 @@ file, to train your own model on your own data (README.md, "Your model and data"
 This example: a decoder-only transformer that predicts the next token of text, trained with
 next-token cross-entropy and scored by perplexity. By default a small character model (one token
 per byte value); configs/gpt2-small.toml scales it up to GPT-2 small (docs/performance.md).
-Synthetic text by default; `--data FILE` trains on a text file, read one window of seq_len + 1
-bytes at a time from disk (use `--num-workers N` to read in worker processes). `--data` may also
-name a shard set of tokens (a byte-level BPE's), in a folder or a bucket (docs/data.md): the
-vocabulary is then the tokenizer's, padded to a multiple of 64.
+Synthetic text by default; `--data FILE` trains on a text file (a .bin: nanoGPT's uint16 token
+ids), one window of seq_len + 1 tokens read from disk at a time (`--num-workers N`: in workers).
+`--data` may also name a shard set of tokens (a byte-level BPE's), in a folder or a bucket
+(docs/data.md): the vocabulary is then the tokenizer's, padded to a multiple of 64.
 All processes run this: print once under `if not dist.is_initialized() or dist.get_rank() == 0`.
 
 The rest of the project relies on:
@@ -85,13 +85,14 @@ def synthetic_text(windows: int, seq_len: int, seed: int) -> InMemoryDataset:
 
 
 class TextWindows(Dataset):
-    """A text file cut into windows of seq_len + 1 bytes (inputs and next-byte targets); each
-    window is read from disk when asked for."""
+    """A file cut into windows of seq_len + 1 tokens (inputs and next-token targets): a text's
+    bytes, or a .bin file's uint16 token ids (nanoGPT's); each window is read when asked for."""
 
-    def __init__(self, path: str | Path, seq_len: int) -> None:
-        self.path, self.seq_len = Path(path), seq_len
+    def __init__(self, path: str | Path, seq_len: int, vocab: int = 256) -> None:
+        self.path, self.seq_len, self.vocab = Path(path), seq_len, vocab
+        self.width = 2 if self.path.suffix == ".bin" else 1  # bytes a token
         size = self.path.stat().st_size
-        self.windows = (size - 1) // seq_len
+        self.windows = (size // self.width - 1) // seq_len
         if self.windows < 2:
             raise UsageError(f"--data {path}: {size} bytes; this model needs at least "
                              f"{2 * seq_len + 1} (two windows of --seq-len {seq_len})",
@@ -102,9 +103,14 @@ class TextWindows(Dataset):
 
     def __getitem__(self, index: int) -> torch.Tensor:
         with open(self.path, "rb") as f:
-            f.seek(index * self.seq_len)
-            window = f.read(self.seq_len + 1)
-        return torch.frombuffer(bytearray(window), dtype=torch.uint8).long()
+            f.seek(index * self.seq_len * self.width)
+            window = f.read((self.seq_len + 1) * self.width)
+        kind = torch.uint16 if self.width == 2 else torch.uint8
+        ids = torch.frombuffer(bytearray(window), dtype=kind).long()
+        if (top := int(ids.max())) >= self.vocab:  # else an index error deep in the embedding
+            raise UsageError(f"--data {self.path}: token id {top} is beyond --vocab-size "
+                             f"{self.vocab}; GPT-2's ids (nanoGPT's .bin files) need 50304")
+        return ids
 
 
 def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
@@ -114,7 +120,7 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     if is_shard_set(cfg.data):
         return shard_parts(cfg, seq_len=cfg.task.seq_len)
     if cfg.data:
-        text = TextWindows(cfg.data, cfg.task.seq_len)
+        text = TextWindows(cfg.data, cfg.task.seq_len, cfg.task.vocab_size)
         train, val = split_for_validation(len(text), int(len(text) * cfg.val_fraction), cfg.seed)
         return (torch.utils.data.Subset(text, train.tolist()),
                 torch.utils.data.Subset(text, val.tolist()) if len(val) else None)
