@@ -153,7 +153,8 @@ def test_a_module_inside_an_fsdp_unit_called_directly_is_one_line(tmp_path):
     project = project_copy(tmp_path, task)
     line = one_error(run_cmd([sys.executable, "train.py", *RUN, *EXAMPLES["teacher"][2],
                               "--model-layout", "fsdp"], project, PYTHONPATH=str(project)))
-    assert "train_step called step.module.teacher.0 directly: under --model-layout fsdp" in line
+    assert ("step.module.teacher.0 was called outside its unit (by train_step or the model's "
+            "forward): fsdp gathers its weights only inside that unit") in line
     assert not list_checkpoints(project / "checkpoints")
 
 

@@ -225,9 +225,9 @@ def _check_gathered(name: str, module: nn.Module, args: Any) -> None:
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
-        raise UsageError(f"train_step called step.module.{name} directly: under --model-layout "
-                         "fsdp it gathers its weights only inside the module that holds it; call "
-                         "a child of the model or a block (docs/custom-step.md)", everywhere=True)
+        raise UsageError(f"step.module.{name} was called outside its unit (by train_step or the "
+                         "model's forward): fsdp gathers its weights only inside that unit; call a "
+                         "child of the model or a block (docs/custom-step.md)", everywhere=True)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
