@@ -213,7 +213,7 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
     fully_shard(model, **kwargs)
     if custom:
         private.fsdp_for_own_step(model, [m for m in model.modules() if isinstance(m, FSDPModule)])
-        for name, module in [] if cfg.compile else model.named_modules():
+        for name, module in model.named_modules():  # with --compile too (train_step is eager)
             if not isinstance(module, FSDPModule) and list(module.parameters(recurse=False)):
                 module.register_forward_pre_hook(functools.partial(_check_gathered, name))
     return model
