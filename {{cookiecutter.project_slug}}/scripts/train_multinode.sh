@@ -43,17 +43,11 @@ echo "node $NODE_RANK: $LOCAL_ADDR on ${IFACE}, rendezvous at $ENDPOINT (this no
 # The endpoint on this node held by another program: torchrun would take it for a peer's
 # rendezvous and wait minutes for an answer. Torch's store answers a PING (its protocol: VALIDATE
 # with the magic number, then PING with 4 bytes it sends back) at once; 2 s without one is refused.
-# A store that answers on node 0 of a real network is another torchrun's: this job's would live in
-# this node's own torchrun, not started yet (nodes on one machine share loopback: not told apart).
 if [[ "$IS_HOST" == true ]] && { exec 3<>"/dev/tcp/${ENDPOINT%:*}/${ENDPOINT##*:}"; } 2>/dev/null; then
   printf '\x00\xce\xf7\x85\x3c\x0dLOOK' >&3
   if ! read -r -t 2 -N 4 ANSWER <&3 || [[ "$ANSWER" != LOOK ]]; then
     echo "error: $ENDPOINT is held by a program that is not a torchrun rendezvous; stop it, or give" \
       "this job another port (HEAD_HOST:PORT)" >&2
-    exit 1
-  elif [[ "$NODE_RANK" == 0 && "$LOCAL_ADDR" != 127.* && "$LOCAL_ADDR" != "::1" ]]; then
-    echo "error: another torchrun's rendezvous already runs at $ENDPOINT (another job's?); give" \
-      "this job another port (HEAD_HOST:PORT), or end that job first" >&2
     exit 1
   fi
   exec 3>&-

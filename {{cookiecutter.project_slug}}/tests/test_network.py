@@ -188,11 +188,6 @@ def test_a_host_killed_under_max_restarts_rejoins_and_the_job_finishes(hosts, wo
                                                                       reference):
     nodes = start_job(hosts, LONG, workdir, bin_dir, restarts=1)
     wait_for_checkpoint(workdir / "ck", nodes)
-    # Another job's node 0 on the same endpoint: one line at once, not a wait on this job's store.
-    other = start_node(hosts[0], 0, hosts[0], 29400, ["--checkpoint-dir", str(workdir / "other")],
-                       workdir, bin_dir)
-    [line] = errors("".join(other.communicate(timeout=60)))
-    assert "another torchrun's rendezvous already runs at" in line and other.returncode == 1, line
     for pid in hosts[1].pids():  # the whole machine goes: agent and training process
         os.kill(pid, 9)
     nodes[1].communicate()
