@@ -177,8 +177,8 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
                          "which needs numpy: pip install numpy", everywhere=True)
     private.fsdp_on(device)
     model.to(device)
-    for tensor in model.state_dict().values():  # rank 0's weights everywhere, as DDP's wrap does
-        dist.broadcast(tensor, src=0)  # (a rank-seeded init would shard pieces of other models)
+    for tensor in (*model.parameters(), *model.buffers()):  # rank 0's, as DDP's wrap does: a
+        dist.broadcast(tensor.detach(), src=0)  # rank-seeded init would shard other models' parts
     replicas = dist.get_world_size() // shard
     # One dimension: plain fsdp. Two: HSDP, fully_shard replicates over the first and shards
     # over the second (each group of `shard` consecutive ranks holds one copy).
@@ -222,6 +222,8 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
 def _check_gathered(name: str, module: nn.Module, args: Any) -> None:
     """A module inside a unit, called by a step: one line, not a DTensor traceback, if its unit
     is not running (it holds this rank's shard of each weight, not the weight)."""
+    if torch.compiler.is_compiling():  # a compiled block's forward: inside its unit, no check
+        return
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):

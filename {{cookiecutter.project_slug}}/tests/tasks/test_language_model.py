@@ -63,7 +63,8 @@ def test_text_file_is_read_one_window_at_a_time_by_worker_processes(workdir):
 
 def test_nanogpt_token_files_are_read_as_uint16_ids(tmp_path):
     """nanoGPT's train.bin: GPT-2's ids as uint16, read as tokens (not as text), and an id beyond
-    --vocab-size is one line naming the size that fits, not an index error in the embedding."""
+    --vocab-size is one line naming the size that fits, not an index error in the embedding; a
+    prediction, which needs the tokenizer that made the ids, one line too."""
     ids = torch.randint(50257, (1000,), generator=torch.Generator().manual_seed(0))
     (tmp_path / "train.bin").write_bytes(array("H", ids.tolist()).tobytes())
     cfg = parse_args(["--data", str(tmp_path / "train.bin"), "--vocab-size", "50304",
@@ -74,6 +75,8 @@ def test_nanogpt_token_files_are_read_as_uint16_ids(tmp_path):
     with pytest.raises(UsageError, match=r"token id \d+ is beyond --vocab-size 256; GPT-2's ids "
                                          r"\(nanoGPT's .bin files\) need 50304"):
         task.TextWindows(tmp_path / "train.bin", 64)[2]
+    with pytest.raises(UsageError, match="only the tokenizer that made the .bin file turns"):
+        task.predict(None, ["a prompt"], cfg)  # ids this project cannot turn into text
 
 
 def test_a_file_shorter_than_two_windows_is_one_error_line(workdir):

@@ -45,11 +45,6 @@ def is_shard_set(data: str | None) -> bool:
     except OSError as exc:  # object storage: credentials, endpoint, bucket
         raise UsageError(f"--data {storage.redact(data)}: {storage.diagnosis(data, exc)}",
                          everywhere=True) from None
-    if found and not storage.is_url(data) and any(p.is_dir() and p.name[0] != "."
-                                                  for p in root.iterdir()):
-        raise UsageError(f"--data {data}: a shard set ({INDEX}) and folders (an image folder's "
-                         "classes?) in one folder; give the shard set a folder of its own",
-                         everywhere=True)
     if not found and (storage.is_url(data) or (root / "00000.bin").exists()):
         what = (f"no shard set there (no {INDEX})" if storage.is_url(data) else
                 f"an unfinished shard set (no {INDEX}: its prepare stopped)")

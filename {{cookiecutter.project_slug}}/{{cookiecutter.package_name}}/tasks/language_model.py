@@ -94,8 +94,8 @@ class TextWindows(Dataset):
         size = self.path.stat().st_size
         self.windows = (size // self.width - 1) // seq_len
         if self.windows < 2:
-            raise UsageError(f"--data {path}: {size} bytes; this model needs at least "
-                             f"{2 * seq_len + 1} (two windows of --seq-len {seq_len})",
+            raise UsageError(f"--data {path}: {size // self.width} tokens; this model needs at "
+                             f"least {2 * seq_len + 1} (two windows of --seq-len {seq_len})",
                              everywhere=True)
 
     def __len__(self) -> int:
@@ -283,6 +283,9 @@ def load_tokenizer(data: str) -> Any:
 def predict(model: nn.Module, inputs: list[str], cfg: Config, new_tokens: int = 40) -> list[str]:
     """Prompts -> each continued by `new_tokens` tokens (bytes, or the shard set's tokenizer's),
     the most likely one at a time (scripts/predict.py)."""
+    if str(cfg.data).endswith(".bin"):  # ids of a tokenizer this project does not have
+        raise UsageError(f"--data {cfg.data}: the model predicts token ids that only the tokenizer "
+                         "that made the .bin file turns into text (nanoGPT's: tiktoken's gpt2)")
     tokenizer = load_tokenizer(cfg.data) if is_shard_set(cfg.data) else None
     lines = []
     for prompt in inputs:
