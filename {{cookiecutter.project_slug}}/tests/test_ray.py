@@ -2,8 +2,9 @@
 
 One cluster for the file (`ray start --head`, 2 CPUs, on 127.0.0.1, no dashboard): a 2-worker run
 that trains and reports to Ray, a worker SIGKILLed mid-run that Ray restarts and that ends with the
-uninterrupted run's weights bit for bit, and the mistakes that end with one line: a flag typo, a
-mistake the workers find (no restart), too few CPUs, no cluster.
+uninterrupted run's weights bit for bit, Ctrl-C on the driver (the workers save), and the
+mistakes that end with one line: a flag typo, a mistake the workers find (no restart), too few
+CPUs, no cluster, the cluster killed mid-run.
 """
 
 from __future__ import annotations
@@ -237,17 +238,19 @@ def ended(job: subprocess.Popen, timeout: float = 90) -> tuple[str, str]:
             job.kill()
 
 
-def test_ctrl_c_on_the_driver_is_one_line_naming_the_newest_checkpoint(cluster, tmp_path):
-    """Ray's own Ctrl-C handler aborts the workers at once (they cannot save, unlike under
-    torchrun): the driver says so in one line naming the newest checkpoint, exit 130, and no
-    worker is left."""
+def test_ctrl_c_on_the_driver_saves_and_stops_as_under_torchrun(cluster, tmp_path):
+    """The driver tells the workers (Ray's own Ctrl-C handler would end them unsaved): they save at
+    their next log step and stop, rank 0 says where, exit 130, and no worker is left."""
     job = run_until_saved(cluster, tmp_path)
     job.send_signal(signal.SIGINT)
     out, err = ended(job)
     assert job.returncode == 130, out + err
-    said = [line for line in err.splitlines() if line.startswith("stopped by Ctrl-C")]
-    assert len(said) == 1 and "the newest checkpoint is " in said[0], err
-    assert "Traceback" not in err, err
+    assert (out + err).count("ray: Ctrl-C: the workers save at their next log step") == 1, out + err
+    said = re.search(r"stopped by SIGINT at step (\d+): checkpoint saved in ", out + err)
+    assert said and "Traceback" not in err, out + err
+    steps = [read_meta(p)["step"] for p in list_checkpoints(tmp_path / "checkpoints")
+             if p.suffix == ".pt"]
+    assert max(steps) == int(said[1]) < LAST_STEP, (steps, said[0])
     deadline = time.monotonic() + 30
     while train_workers(cluster["temp"]) and time.monotonic() < deadline:
         time.sleep(0.5)

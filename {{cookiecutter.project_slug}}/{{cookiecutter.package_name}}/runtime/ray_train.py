@@ -8,26 +8,36 @@ Checkpoints stay the project's: a group Ray restarts resumes from `--checkpoint-
 
 A mistake a worker finds is its `error:` line and exit code 1, returned, not raised: Ray retries
 every raised error and every dead worker, and no restart cures a mistake. A worker that dies
-(SIGKILL, a lost node, a deadline of --timeout-s) is Ray's to restart, up to --max-restarts."""
+(SIGKILL, a lost node, a deadline of --timeout-s) is Ray's to restart, up to --max-restarts.
+
+Ctrl-C on the driver saves, as under torchrun: `fit` runs in a thread (Ray's own Ctrl-C handler,
+set from the main thread only, would end the workers unsaved) and an actor tells the workers."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import os
 import shlex
+import signal
 import socket
 import sys
+import threading
+import time
 from collections.abc import Mapping
+from concurrent import futures
 from typing import Any
 
 from .. import doctor, metrics, task
 from ..checkpoint.resume import pick_checkpoint
 from ..config import parse_args
 from ..main import main as train_main
-from . import environments
+from . import environments, launch
+from .backstop import STOP_SAVE_S
 from .environments import TorchrunEnvironment, World
+from .lifeline import Lifeline
 
 START = "start one with `ray start --head` (or set RAY_ADDRESS to a running cluster's address)"
 # The driver's variables its workers get (Ray starts them in the cluster's environment, that of
@@ -53,6 +63,49 @@ class RayEnvironment:
                                    f"{world.master_port}")
 
 
+class Stop:
+    """The driver's Ctrl-C, for its workers (a Ray actor): `wait` returns once `set` is called."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+
+    async def set(self) -> None:
+        self.event.set()
+
+
+class RayLifeline(Lifeline):
+    """A Ray worker's lifeline. Ray runs `main` in a thread of its worker, where no signal handler
+    can be installed: the driver's Ctrl-C comes as a message instead, told here as a SIGINT."""
+
+    running: RayLifeline | None = None
+
+    def start(self) -> RayLifeline:
+        RayLifeline.running = self
+        return super().start()
+
+    def sigint(self) -> bool:
+        """Stop as at a Ctrl-C: save at the next log step. False while starting, where the signal
+        would end the process at once (and Ray would start it again)."""
+        if self._phase == "starting":
+            return False
+        self._writer.send(bytes([signal.SIGINT]))
+        return True
+
+
+def stop_when_told(stop: Any) -> None:
+    """A worker's thread: waits for the driver's Ctrl-C, then tells the run once it trains (or
+    its closed lifeline, once it ended: the worker ends soon after)."""
+    import ray
+
+    with contextlib.suppress(Exception):  # the driver gone: no Ctrl-C to wait for
+        ray.get(stop.wait.remote())
+        while not (RayLifeline.running and RayLifeline.running.sigint()):
+            time.sleep(0.2)
+
+
 def worker(config: dict[str, Any]) -> int:
     """One Ray Train worker: train.py's `main` with the driver's flags, in the driver's folder
     (where relative paths point). Returns the exit code; rank 0's is the driver's."""
@@ -68,6 +121,8 @@ def worker(config: dict[str, Any]) -> int:
         environments.ENVIRONMENTS = (RayEnvironment, *environments.ENVIRONMENTS)
     # Every rank reports the same metrics line (rank 0's): ray.train.report waits for all.
     metrics.EVERY_RANK[:] = [lambda record: ray.train.report(record)]
+    launch.Lifeline = RayLifeline  # the run's lifeline (launch.setup makes it), told a Ctrl-C
+    threading.Thread(target=stop_when_told, args=(config["stop"],), daemon=True).start()
     return train_main(config["argv"])
 
 
@@ -166,6 +221,14 @@ def newest(checkpoint_dir: str) -> str:
     return f"the newest checkpoint is {found}" if found else "no checkpoint was saved yet"
 
 
+def fit(trainer: Any, done: futures.Future) -> None:
+    """trainer.fit() in a thread of the driver: its result, or what it raised, for the main one."""
+    try:
+        done.set_result(trainer.fit())
+    except BaseException as exc:  # noqa: BLE001  (raised again by done.result())
+        done.set_exception(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The driver: check, connect, fit. Returns the exit code."""
     args, rest = own_flags(sys.argv[1:] if argv is None else argv)
@@ -193,20 +256,30 @@ def main(argv: list[str] | None = None) -> int:
     if env:  # names only: values may be secrets
         print(f"ray: passing {', '.join(sorted(env))} to the workers (docs/launching.md)",
               flush=True)
+    stop = ray.remote(num_cpus=0)(Stop).remote()
     trainer = TorchTrainer(
-        worker, train_loop_config={"argv": flags, "cwd": os.getcwd(), "env": sorted(env)},
+        worker, train_loop_config={"argv": flags, "cwd": os.getcwd(), "env": sorted(env),
+                                   "stop": stop},
         scaling_config=ScalingConfig(num_workers=args.workers,
                                      use_gpu=bool(ray.cluster_resources().get("GPU"))),
         run_config=RunConfig(storage_path=storage_path(cfg.output_dir),
                              failure_config=FailureConfig(max_failures=args.max_restarts)))
+    done: futures.Future = futures.Future()
+    threading.Thread(target=fit, args=(trainer, done), daemon=True).start()
     try:
-        result = trainer.fit()
+        try:
+            result = done.result()
+        except KeyboardInterrupt:
+            print(f"ray: Ctrl-C: the workers save at their next log step and stop (within "
+                  f"{STOP_SAVE_S:g} s; Ctrl-C again stops now, without a save)", flush=True)
+            stop.set.remote()
+            result = done.result(STOP_SAVE_S)
     except TrainingFailedError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"error: Ray Train stopped after {args.max_restarts} restart(s): {first}; see the "
               "workers' output above", file=sys.stderr, flush=True)
         return 1
-    except (KeyboardInterrupt, SystemExit):  # Ctrl-C: Ray's handler aborts the workers, unsaved
+    except (KeyboardInterrupt, SystemExit, futures.TimeoutError):  # again, or no save in time
         print(f"stopped by Ctrl-C, without a save; {newest(cfg.checkpoint_dir)}; the same "
               "command resumes from it", file=sys.stderr, flush=True)
         return 130
