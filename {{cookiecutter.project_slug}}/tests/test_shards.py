@@ -135,6 +135,10 @@ def test_careless_inputs_are_one_line(tmp_path, monkeypatch):
         ShardSet(cfg.data, cfg, "train", as_stored)
     with pytest.raises(UsageError, match="no such file or folder"):
         prepare(str(tmp_path / "none"), str(tmp_path / "out"), 1, progress=False)
+    # An image folder shipping an index.json of its own is an image folder, not a shard set.
+    assert read.is_shard_set(str(tmp_path / "set"))
+    (tmp_path / "images" / "index.json").write_text('[{"file": "cat/000.png", "label": 0}]')
+    assert not read.is_shard_set(str(tmp_path / "images"))
 
     class Gone:  # storage that stopped answering mid-epoch
         def get_file(self, *args):

@@ -40,6 +40,8 @@ def is_shard_set(data: str | None) -> bool:
     root = storage.location(data)
     try:
         found = (root / INDEX).exists()
+        if found:  # an image folder may ship an index.json of its own; a set's names its kind
+            found = '"kind"' in (root / INDEX).read_text()
         if not found and storage.is_url(data):
             root.fs.ls(root.key.split("/")[0])  # is the bucket there?
     except OSError as exc:  # object storage: credentials, endpoint, bucket
