@@ -31,6 +31,7 @@ from ..failures import RunFailure, UsageError
 from . import INDEX, checksum
 
 TRIES = 4  # a failing download is tried this often, pauses growing, all within --timeout-s
+TOKENS = {"uint16": torch.uint16, "int32": torch.int32}  # a token set's "dtype" in index.json
 
 
 def is_shard_set(data: str | None) -> bool:
@@ -107,7 +108,7 @@ class ShardSet(Dataset):
         name = self.index["shards"][shard]["name"]
         j = self.ranges[shard][0] + i - self.starts[shard]
         if not self.images:
-            size, kind = (2, torch.uint16) if self.index["dtype"] == "uint16" else (4, torch.int32)
+            size = (kind := TOKENS[self.index["dtype"]]).itemsize
             ids = self._read(f"{name}.bin", j * self.seq_len * size, (self.seq_len + 1) * size)
             return torch.frombuffer(bytearray(ids), dtype=kind).long()
         if name not in self._rows:  # offsets, lengths and labels: plain ints, read once
@@ -171,7 +172,7 @@ def check_files(root: storage.AnyPath, data: str, index: dict[str, Any]) -> None
             what = "missing" if file not in found else f"{found[file]} bytes, not {size}"
             raise UsageError(f"--data {storage.redact(data)}: shard file {file} is {what} "
                              "(a copy cut short?); prepare the shard set again", everywhere=True)
-    per = {"uint16": 2, "int32": 4}.get(index.get("dtype"), 24)  # a token, or an .idx row
+    per = TOKENS[index["dtype"]].itemsize if "dtype" in index else 24  # a token, or an .idx row
     for s in index["shards"]:  # the counts agree with the files' sizes (checked above)
         if s["samples"] * per != (size := s.get("idx_bytes" if per == 24 else "bytes", 0)):
             raise UsageError(f"--data {storage.redact(data)}: {INDEX} gives shard {s['name']} "
