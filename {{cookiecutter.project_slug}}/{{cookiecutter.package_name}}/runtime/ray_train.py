@@ -218,7 +218,8 @@ def storage_path(output_dir: str) -> str:
 def newest(checkpoint_dir: str) -> str:
     """The checkpoint the same command resumes from (--resume auto's), for the last line."""
     found = pick_checkpoint("auto", checkpoint_dir)
-    return f"the newest checkpoint is {found}" if found else "no checkpoint was saved yet"
+    return (f"the newest checkpoint is {found}, which the same command resumes from" if found
+            else "no checkpoint was saved yet: the same command starts over")
 
 
 def fit(trainer: Any, done: futures.Future) -> None:
@@ -280,13 +281,13 @@ def main(argv: list[str] | None = None) -> int:
               "workers' output above", file=sys.stderr, flush=True)
         return 1
     except (KeyboardInterrupt, SystemExit, futures.TimeoutError):  # again, or no save in time
-        print(f"stopped by Ctrl-C, without a save; {newest(cfg.checkpoint_dir)}; the same "
-              "command resumes from it", file=sys.stderr, flush=True)
+        print(f"stopped by Ctrl-C, without a save; {newest(cfg.checkpoint_dir)}", file=sys.stderr,
+              flush=True)
         return 130
     except Exception as exc:  # Ray's own: the cluster went away (its head killed), not the run
         print(f"error: the Ray cluster stopped answering ({type(exc).__name__}); "
-              f"{newest(cfg.checkpoint_dir)}; start the cluster again (ray start) and run the "
-              "same command to resume from it", file=sys.stderr, flush=True)
+              f"{newest(cfg.checkpoint_dir)}; start the cluster again first (ray start)",
+              file=sys.stderr, flush=True)
         return 1
     finally:
         with contextlib.suppress(Exception):  # a cluster gone: nothing left to disconnect from
