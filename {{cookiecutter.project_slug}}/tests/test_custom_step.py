@@ -213,6 +213,7 @@ def test_a_resume_with_other_optimizers_is_one_line_and_weights_only_goes_on(tmp
                      PYTHONPATH=str(project))).stdout
     assert (f"--resume weights-only: the weights of {before[0].relative_to(project)}; the "
             "optimizers, their schedules and the position start afresh") in out
+    assert "median step n/a, first step" in out  # one step: none timed after the first
     old, new = (load_state(path)["model"] for path in (
         next(project.glob(f"checkpoints/earlier-*/{before[0].name}")),  # moved aside, as it was
         list_checkpoints(project / "checkpoints")[0]))

@@ -136,9 +136,13 @@ def test_careless_inputs_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match="no such file or folder"):
         prepare(str(tmp_path / "none"), str(tmp_path / "out"), 1, progress=False)
     # An image folder shipping an index.json of its own is an image folder, not a shard set.
-    assert read.is_shard_set(str(tmp_path / "set"))
+    assert read.shard_index(str(tmp_path / "set"))
     (tmp_path / "images" / "index.json").write_text('[{"file": "cat/000.png", "label": 0}]')
-    assert not read.is_shard_set(str(tmp_path / "images"))
+    assert not read.shard_index(str(tmp_path / "images"))
+    for file in (tmp_path / "set").iterdir():  # a set copied into an image folder: which one?
+        shutil.copy(file, tmp_path / "images")
+    with pytest.raises(UsageError, match="index.json with folders beside it .* move the set"):
+        read.shard_index(str(tmp_path / "images"))
 
     class Gone:  # storage that stopped answering mid-epoch
         def get_file(self, *args):
@@ -173,7 +177,7 @@ def test_a_prepare_never_writes_into_its_source_nor_onto_another_sources_set(tmp
     assert "complete shard set (12 images in 1 shards): nothing to do" in capsys.readouterr().out
     (tmp_path / "set" / "index.json").unlink()
     with pytest.raises(UsageError, match="an unfinished shard set .* write one with python -m"):
-        read.is_shard_set(str(tmp_path / "set"))
+        read.shard_index(str(tmp_path / "set"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsageError, match="neither images .* nor .txt files in it"):
         prepare(str(tmp_path / "empty"), str(tmp_path / "out"), 1, progress=False)

@@ -257,8 +257,9 @@ class Metrics:
         tokens = f"{summary['tokens_per_s']:.0f} tokens/s, " if "tokens_per_s" in summary else ""
         if summary.get("mfu") is not None:
             tokens += f"MFU {100 * summary['mfu']:.1f}%, "
+        median = summary["median_step_ms"]  # None: a run of one step (the first is not timed)
         print(f"throughput: {summary['samples_per_s']:.0f} samples/s, {tokens}median step "
-              f"{summary['median_step_ms']} ms, first step {summary['time_to_first_step_s']} s "
-              f"after start\ndone: {summary['steps']} steps, final loss {loss}\n"
-              f"checkpoints: {storage.shown(self.cfg.checkpoint_dir)}\n"
+              f"{'n/a' if median is None else f'{median} ms'}, first step "
+              f"{summary['time_to_first_step_s']} s after start\ndone: {summary['steps']} steps, "
+              f"final loss {loss}\ncheckpoints: {storage.shown(self.cfg.checkpoint_dir)}\n"
               f"summary: {self.summary_path.resolve()}", flush=True)

@@ -34,15 +34,18 @@ TRIES = 4  # a failing download is tried this often, pauses growing, all within 
 TOKENS = {"uint16": torch.uint16, "int32": torch.int32}  # a token set's "dtype" in index.json
 
 
-def is_shard_set(data: str | None) -> bool:
-    """Whether `--data` names a shard set (a folder or URL with index.json)."""
+def shard_index(data: str | None) -> dict[str, Any] | None:
+    """The index of the shard set `--data` names (a folder or URL with index.json), else None."""
     if not data:
-        return False
+        return None
     root = storage.location(data)
-    try:
-        found = (root / INDEX).exists()
-        if found:  # an image folder may ship an index.json of its own; a set's names its kind
-            found = '"kind"' in (root / INDEX).read_text()
+    try:  # an image folder may ship an index.json of its own; a set's names its kind
+        text = (root / INDEX).read_text() if (root / INDEX).exists() else ""
+        found = '"kind"' in text
+        if found and not storage.is_url(data) and any(p.is_dir() for p in root.iterdir()):
+            raise UsageError(f"--data {data}: a shard set's {INDEX} with folders beside it (an "
+                             "image folder?): move the set or the images to a folder of their "
+                             "own", everywhere=True)
         if not found and storage.is_url(data):
             root.fs.ls(root.key.split("/")[0])  # is the bucket there?
     except OSError as exc:  # object storage: credentials, endpoint, bucket
@@ -53,18 +56,14 @@ def is_shard_set(data: str | None) -> bool:
                 f"an unfinished shard set (no {INDEX}: its prepare stopped)")
         raise UsageError(f"--data {storage.redact(data)}: {what}; write one with python -m "
                          f"{__package__} SOURCE {storage.redact(data)}", everywhere=True)
-    return found
-
-
-def read_index(data: str) -> dict[str, Any]:
-    return json.loads((storage.location(data) / INDEX).read_text())
+    return json.loads(text) if found else None
 
 
 def shard_parts(cfg: Any, train: Callable | None = None, val: Callable | None = None,
                 seq_len: int = 0) -> tuple[ShardSet, ShardSet | None]:
     """--data's training and validation parts (None without validation samples), with the
     transforms of each (images) or the window length (tokens)."""
-    index = read_index(cfg.data)
+    index = shard_index(cfg.data)
     check_files(storage.location(cfg.data), cfg.data, index)  # one listing for both parts
     parts = [ShardSet(cfg.data, cfg, part, f, seq_len, index) for part, f in (("train", train),
                                                                                ("val", val))]
@@ -78,7 +77,7 @@ class ShardSet(Dataset):
     def __init__(self, data: str, cfg: Any, part: str, transform: Callable | None = None,
                  seq_len: int = 0, index: dict[str, Any] | None = None) -> None:
         self.data, self.transform, self.seq_len = data, transform, seq_len
-        self.index = index or read_index(data)  # given: read and checked by the caller
+        self.index = index or shard_index(data)  # given: read and checked by the caller
         self.images = self.index["kind"] == "images"
         self.window, self.root = cfg.shuffle_window, storage.location(data)
         self.cache = (Cache(self.root, cfg.shard_cache, cfg.shard_cache_gb, self.index,

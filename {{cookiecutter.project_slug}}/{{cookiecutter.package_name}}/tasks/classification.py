@@ -44,7 +44,7 @@ from torch.utils.data import Dataset, Subset
 from .data import InMemoryDataset, split_for_validation
 from .failures import UsageError, local_rank_from_env, warn
 from .settings import setting
-from .shards.read import is_shard_set, read_index, shard_parts
+from .shards.read import shard_index, shard_parts
 
 if TYPE_CHECKING:  # for the type hints only
     from .config import Config
@@ -202,8 +202,8 @@ def decodes(path: Path) -> bool:
 def class_names(root: str | Path) -> list[str]:
     """The class folders of `root`, sorted (or a shard set's classes). An entry that is a broken
     link is an error: leaving it out would train a model with one class too few."""
-    if is_shard_set(root):
-        return read_index(root)["classes"]
+    if index := shard_index(root):
+        return index["classes"]
     names = []
     for path in entries(Path(root), root) if Path(root).is_dir() else []:
         if path.is_dir():
@@ -220,7 +220,7 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     """Training and validation data, identical on every rank. Synthetic: --dataset-size images
     plus --val-fraction of that as validation. A folder: --val-fraction of its images held out.
     A shard set: --val-fraction of each shard's images held out."""
-    if is_shard_set(cfg.data):
+    if shard_index(cfg.data):
         return shard_parts(cfg, *(partial(image_sample, augment=a) for a in (True, False)))
     if cfg.data:
         train_files = ImageFolder(cfg.data, augment=True, skip_bad=cfg.task.skip_bad_images)

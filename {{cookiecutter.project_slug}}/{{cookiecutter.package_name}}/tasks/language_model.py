@@ -44,7 +44,7 @@ from .data import InMemoryDataset, split_for_validation
 from .failures import UsageError, local_rank_from_env, warn
 from .settings import setting
 from .shards import TOKENIZER
-from .shards.read import is_shard_set, read_index, shard_parts
+from .shards.read import shard_index, shard_parts
 
 if TYPE_CHECKING:  # for the type hints only
     from .config import Config
@@ -117,7 +117,7 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     """Training and validation windows, identical on every rank. Synthetic: --dataset-size windows
     plus --val-fraction of that as validation. A file: --val-fraction of its windows held out.
     A shard set: --val-fraction of each shard's windows held out."""
-    if is_shard_set(cfg.data):
+    if shard_index(cfg.data):
         return shard_parts(cfg, seq_len=cfg.task.seq_len)
     if cfg.data:
         text = TextWindows(cfg.data, cfg.task.seq_len, cfg.task.vocab_size)
@@ -188,7 +188,7 @@ def build_model(cfg: Config) -> nn.Module:
         raise UsageError("--tie-embeddings: model_parallel_2 puts the embedding and the output "
                          "layer on different devices, so they cannot share weights; drop "
                          "--tie-embeddings", everywhere=True)
-    vocab = (-(-read_index(cfg.data)["vocab_size"] // 64) * 64 if is_shard_set(cfg.data)
+    vocab = (-(-index["vocab_size"] // 64) * 64 if (index := shard_index(cfg.data))
              else t.vocab_size)  # a shard set's tokenizer's, padded: faster matrix products
     model = TinyGPT(t.hidden_size, t.num_layers, t.num_heads, t.seq_len, vocab, t.tie_embeddings)
     step = flops_per_token(model, cfg) * t.seq_len * cfg.batch_size * cfg.grad_accum
@@ -286,7 +286,7 @@ def predict(model: nn.Module, inputs: list[str], cfg: Config, new_tokens: int = 
     if str(cfg.data).endswith(".bin"):  # ids of a tokenizer this project does not have
         raise UsageError(f"--data {cfg.data}: the model predicts token ids that only the tokenizer "
                          "that made the .bin file turns into text (nanoGPT's: tiktoken's gpt2)")
-    tokenizer = load_tokenizer(cfg.data) if is_shard_set(cfg.data) else None
+    tokenizer = load_tokenizer(cfg.data) if shard_index(cfg.data) else None
     lines = []
     for prompt in inputs:
         ids = tokenizer.encode(prompt).ids if tokenizer else list(prompt.encode())
