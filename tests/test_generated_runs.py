@@ -312,11 +312,11 @@ def test_the_ray_bake_trains_restarts_and_refuses_mistakes_on_a_real_ray_cluster
     """launcher=ray in a venv of its own (Ray stays out of the shared one): torch first, then the
     project with its `ray` extra; its tests/test_ray.py starts a local Ray cluster and runs
     scripts/train_ray.py on it (a run, a SIGKILLed worker restarted, the one-line mistakes, Ctrl-C
-    on the driver, the cluster killed)."""
+    on the driver with workers that save and with frozen ones, the cluster killed)."""
     project = bake_to(tmp_path / "bake", launcher="ray")
     env = Venv(tmp_path / ".venv")
     env.pip(TORCH, cwd=project)
     env.pip("-e", ".[ray]", "pytest>=7", cwd=project)
     result = check_ok(env.run([env.python, "-m", "pytest", "-q", "--full", "-p", "no:cacheprovider",
                                "tests/test_ray.py"], project, timeout=900))
-    assert re.search(r"\b8 passed", result.stdout) and "skipped" not in result.stdout, result.stdout
+    assert re.search(r"\b9 passed", result.stdout) and "skipped" not in result.stdout, result.stdout

@@ -2,7 +2,8 @@
 
 One cluster for the file (`ray start --head`, 2 CPUs, on 127.0.0.1, no dashboard): a 2-worker run
 that trains and reports to Ray, a worker SIGKILLed mid-run that Ray restarts and that ends with the
-uninterrupted run's weights bit for bit, Ctrl-C on the driver (the workers save), and the
+uninterrupted run's weights bit for bit, Ctrl-C on the driver (the workers save; frozen workers
+that never do: the driver's unsaved line within its bound, and Ray ends them), and the
 mistakes that end with one line: a flag typo, a mistake the workers find (no restart), too few
 CPUs, no cluster, the cluster killed mid-run.
 """
@@ -37,6 +38,7 @@ from conftest import (
 )
 
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta
+from {{ cookiecutter.package_name }}.runtime.backstop import STOP_SAVE_S
 from {{ cookiecutter.package_name }}.runtime.environments import find_free_port
 
 pytestmark = [pytest.mark.full,
@@ -255,6 +257,26 @@ def test_ctrl_c_on_the_driver_saves_and_stops_as_under_torchrun(cluster, tmp_pat
     while train_workers(cluster["temp"]) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not train_workers(cluster["temp"])
+
+
+def test_ctrl_c_with_workers_that_never_answer_ends_unsaved_within_its_bound(cluster, tmp_path):
+    """Workers frozen (SIGSTOP, as a hung node) never save: the driver gives up after its bound
+    (STOP_SAVE_S): the unsaved line naming the newest checkpoint, exit 130, and Ray ends them."""
+    job = run_until_saved(cluster, tmp_path)
+    workers = train_workers(cluster["temp"])
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    asked = time.monotonic()
+    job.send_signal(signal.SIGINT)
+    out, err = ended(job)
+    assert job.returncode == 130 and time.monotonic() - asked < STOP_SAVE_S + 20, out + err
+    newest = list_checkpoints(tmp_path / "checkpoints")[0]
+    assert (f"stopped by Ctrl-C, without a save; the newest checkpoint is checkpoints/"
+            f"{newest.name}, which the same command resumes from") in err, err
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "frozen workers left"
 
 
 def test_the_cluster_killed_mid_run_is_one_line_naming_the_newest_checkpoint(cluster, tmp_path):
