@@ -266,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         run_config=RunConfig(storage_path=storage_path(cfg.output_dir),
                              failure_config=FailureConfig(max_failures=args.max_restarts)))
     done: futures.Future = futures.Future()
+    # Python leaves SIGINT ignored where its parent did (`cmd &` in a script): torchrun's workers
+    # take it all the same (their lifeline's handler), so the driver does too.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=fit, args=(trainer, done), daemon=True).start()
     try:
         try:
