@@ -59,11 +59,10 @@ def shard_index(data: str | None) -> dict[str, Any] | None:
     return json.loads(text) if found else None
 
 
-def shard_parts(cfg: Any, train: Callable | None = None, val: Callable | None = None,
-                seq_len: int = 0) -> tuple[ShardSet, ShardSet | None]:
-    """--data's training and validation parts (None without validation samples), with the
-    transforms of each (images) or the window length (tokens)."""
-    index = shard_index(cfg.data)
+def shard_parts(cfg: Any, index: dict[str, Any], train: Callable | None = None,
+                val: Callable | None = None, seq_len: int = 0) -> tuple[ShardSet, ShardSet | None]:
+    """--data's training and validation parts (None without validation samples), from its index
+    (shard_index's), with the transforms of each (images) or the window length (tokens)."""
     check_files(storage.location(cfg.data), cfg.data, index)  # one listing for both parts
     parts = [ShardSet(cfg.data, cfg, part, f, seq_len, index) for part, f in (("train", train),
                                                                                ("val", val))]

@@ -220,8 +220,8 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     """Training and validation data, identical on every rank. Synthetic: --dataset-size images
     plus --val-fraction of that as validation. A folder: --val-fraction of its images held out.
     A shard set: --val-fraction of each shard's images held out."""
-    if shard_index(cfg.data):
-        return shard_parts(cfg, *(partial(image_sample, augment=a) for a in (True, False)))
+    if index := shard_index(cfg.data):
+        return shard_parts(cfg, index, *(partial(image_sample, augment=a) for a in (True, False)))
     if cfg.data:
         train_files = ImageFolder(cfg.data, augment=True, skip_bad=cfg.task.skip_bad_images)
         val_files = copy.copy(train_files)  # the same files, listed and checked once

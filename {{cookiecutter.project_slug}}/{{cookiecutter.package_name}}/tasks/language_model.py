@@ -117,8 +117,8 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     """Training and validation windows, identical on every rank. Synthetic: --dataset-size windows
     plus --val-fraction of that as validation. A file: --val-fraction of its windows held out.
     A shard set: --val-fraction of each shard's windows held out."""
-    if shard_index(cfg.data):
-        return shard_parts(cfg, seq_len=cfg.task.seq_len)
+    if index := shard_index(cfg.data):
+        return shard_parts(cfg, index, seq_len=cfg.task.seq_len)
     if cfg.data:
         text = TextWindows(cfg.data, cfg.task.seq_len, cfg.task.vocab_size)
         train, val = split_for_validation(len(text), int(len(text) * cfg.val_fraction), cfg.seed)
