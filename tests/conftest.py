@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 
@@ -34,12 +35,20 @@ def pytest_runtest_logreport(report):
     SECONDS_PER_PART[part] = SECONDS_PER_PART.get(part, 0.0) + report.duration
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_sessionstart(session):
+    session.config.started_at = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter, config):
     if not SECONDS_PER_PART:
         return
     terminalreporter.write_sep("=", "seconds per part, beside its budget (tests/budgets.py)")
     for line in table(SECONDS_PER_PART):
         terminalreporter.write_line(line)
+    workers = getattr(config.option, "numprocesses", None)
+    if workers:  # the Makefile's first pass: its parts overlap, so their sum is not the wall time
+        terminalreporter.write_line(f"({workers} files at a time: these parts took "
+                                    f"{time.monotonic() - config.started_at:.0f} s of wall time)")
 
 
 def pytest_configure(config):
