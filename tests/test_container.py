@@ -200,8 +200,16 @@ class Job:
 
     def states(self) -> dict[str, tuple[str, int]]:
         names = [f"{self.id}-{name}" for name in self.containers]
-        out = podman("inspect", "--format", "{{.Name}} {{.State.Status}} {{.State.ExitCode}}",
-                     *names).stdout
+        args = ["inspect", "--format", "{{.Name}} {{.State.Status}} {{.State.ExitCode}}", *names]
+        for _ in range(20):
+            result = podman(*args, check=False)
+            # A container whose process ends while podman reads it: `read /proc/N/cgroup: no
+            # such process`, a race of podman's (containers/podman#16383, fixed after Debian
+            # 12's 4.3), gone on the next look.
+            if result.returncode == 0 or "no such process" not in result.stderr:
+                break
+            time.sleep(0.1)
+        out = podman(*args).stdout if result.returncode else result.stdout
         found = {}
         for line in out.splitlines():
             full, status, code = line.split()
