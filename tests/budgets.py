@@ -47,9 +47,11 @@ def part_of(nodeid: str) -> str:
     return test if test in BUDGET_S else nodeid.split("::")[0]
 
 
-def table(seconds: dict[str, float]) -> list[str]:
+def table(seconds: dict[str, float], overlapped: tuple[int, float] | None = None) -> list[str]:
     """One line a part, slowest first: seconds, budget, and a note where it is over; with
-    CALIBRATION_S in the environment (.ci/run's reading), the same in calibration units."""
+    CALIBRATION_S in the environment (.ci/run's reading), the same in calibration units. With
+    `overlapped` (files run at a time, wall seconds), a last line for a pass whose parts ran side
+    by side: their sum is not its wall time."""
     here = float(os.environ.get("CALIBRATION_S") or 0)
 
     def units(spent: float, budget: float | None) -> str:
@@ -75,4 +77,7 @@ def table(seconds: dict[str, float]) -> list[str]:
     if here:
         lines.append(f"(u: calibration units, this machine's {here:.2f} s; the budgets' machine "
                      f"read {CALIBRATION_S:.2f} s)")
+    if overlapped:
+        lines.append(f"({overlapped[0]} files at a time: these parts took {overlapped[1]:.0f} s of "
+                     f"wall time, against their {budget} s one at a time)")
     return lines

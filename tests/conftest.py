@@ -13,7 +13,7 @@ import venv
 from pathlib import Path
 
 import pytest
-from budgets import BUDGET_S, part_of, table
+from budgets import part_of, table
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -43,14 +43,10 @@ def pytest_terminal_summary(terminalreporter, config):
     if not SECONDS_PER_PART:
         return
     terminalreporter.write_sep("=", "seconds per part, beside its budget (tests/budgets.py)")
-    for line in table(SECONDS_PER_PART):
+    workers = getattr(config.option, "numprocesses", None)  # the Makefile's first pass: -n 2
+    overlapped = (workers, time.monotonic() - config.started_at) if workers else None
+    for line in table(SECONDS_PER_PART, overlapped):
         terminalreporter.write_line(line)
-    workers = getattr(config.option, "numprocesses", None)
-    if workers:  # the Makefile's first pass: its parts overlap, so their sum is not the wall time
-        budget = sum(BUDGET_S.get(part, 0) for part in SECONDS_PER_PART)
-        terminalreporter.write_line(f"({workers} files at a time: these parts took "
-                                    f"{time.monotonic() - config.started_at:.0f} s of wall time, "
-                                    f"against their {budget} s one at a time)")
 
 
 def pytest_configure(config):
