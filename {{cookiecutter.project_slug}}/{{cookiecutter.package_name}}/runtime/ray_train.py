@@ -40,9 +40,8 @@ from .environments import TorchrunEnvironment, World
 from .lifeline import Lifeline
 
 START = "start one with `ray start --head` (or set RAY_ADDRESS to a running cluster's address)"
-# The driver's variables its workers get (Ray starts them in the cluster's environment, that of
-# the shell that ran `ray start`): those the project and its docs name, by prefix or whole, and
-# each --env NAME. Ray's own (RAY_*) and CUDA_VISIBLE_DEVICES stay Ray's.
+# The driver's variables its workers get (Ray starts them in the environment `ray start` had):
+# those the project and its docs name, and each --env NAME. RAY_* and CUDA_VISIBLE_DEVICES: Ray's.
 PASSED = ("AWS_", "WANDB_", "MLFLOW_", "NCCL_", "GLOO_", "TORCH_", "OMP_NUM_THREADS",
           "TOKENIZERS_PARALLELISM")
 
@@ -286,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, SystemExit, futures.TimeoutError):  # again, or no save in time
         print(f"stopped by Ctrl-C, without a save; {newest(cfg.checkpoint_dir)}", file=sys.stderr,
               flush=True)
-        return 130
+        # fit's thread is in Ray still: an exit beside it can SIGSEGV. Ray ends the job's workers.
+        sys.stdout.flush()
+        os._exit(130)
     except Exception as exc:  # Ray's own: the cluster went away (its head killed), not the run
         print(f"error: the Ray cluster stopped answering ({type(exc).__name__}); "
               f"{newest(cfg.checkpoint_dir)}; start the cluster again first (ray start)",
