@@ -31,17 +31,19 @@ demo: setup
 lint:
 	$(PYTHON) -m ruff check hooks tests bench
 
-# Two passes: first the parts that mostly wait on one core (a container image built, pods and a
-# one-node SLURM restarting, bakes read, the benchmark's smoke run), two files at a time; then
-# the rest one at a time (each keeps both cores busy, and torchft's timing checks need them).
-# Both always run; `make test` fails if either did.
-WAITING_TESTS = tests/test_bake.py tests/test_bench.py tests/test_container.py tests/test_cruft.py \
-	tests/test_docs_pointers.py tests/test_hooks.py tests/test_kubernetes.py \
-	tests/test_repository.py tests/test_slurm_cluster.py tests/test_workflow.py
+# Two passes: first the parts that mostly wait on one core (the Ray bake's cluster, a container
+# image built, one-node SLURM and pods restarting, bakes read, the benchmark's smoke run), two
+# files at a time, longest first (xdist would order them by their number of tests); then the rest
+# one at a time (each keeps both cores busy, and torchft's timing checks need them). Both always
+# run; `make test` fails if either did.
+WAITING_TESTS = tests/test_ray_bake.py tests/test_container.py tests/test_slurm_cluster.py \
+	tests/test_kubernetes.py tests/test_bench.py tests/test_docs_pointers.py tests/test_bake.py \
+	tests/test_cruft.py tests/test_hooks.py tests/test_workflow.py tests/test_repository.py
 
 test: setup lint
 	status=0; \
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=10 $(WAITING_TESTS) || status=1; \
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 \
+		$(WAITING_TESTS) || status=1; \
 	$(PYTHON) -m pytest -q --durations=25 $(WAITING_TESTS:%=--ignore=%) || status=1; \
 	exit $$status
 

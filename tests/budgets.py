@@ -25,7 +25,7 @@ BUDGET_S = {  # with INSTALL_S: 2,167 s, 67 s over the 2,100 s of 35 minutes (th
     # Ray: +47 s for Ctrl-C on the driver and the cluster killed mid-run (two runs to a save), 14
     # of it paid by checking the malformed addresses in the test's process; +35 s for Ctrl-C
     # with frozen workers (a run to a save, then the driver's 25 s bound).
-    "tests/test_generated_runs.py::test_the_ray_bake_trains_restarts_and_refuses_mistakes_on_a_real_ray_cluster": 210,
+    "tests/test_ray_bake.py": 210,
     "tests/test_generated_runs.py": 185,  # the venv, the README's commands, trackers, a minimal task
     "tests/test_fault_tolerance.py": 260,
     "tests/test_container.py": 105,
