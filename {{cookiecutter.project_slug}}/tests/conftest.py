@@ -13,11 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from filelock import FileLock  # a dependency of torch
 
 # Two tiers. `pytest` runs in about two minutes: every module's unit tests, your task's tests and
 # one real 2-process run that is killed, resumed and compared bit for bit. `pytest --full` adds
@@ -208,6 +210,22 @@ def descendants(pid: int) -> list[int]:
     except OSError:  # gone meanwhile
         pass
     return found
+
+
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str,
+              make: Callable[[Path], object]) -> Path:
+    """The folder `name` of this pytest session, which `make(folder)` filled once: xdist's workers
+    share it (the first makes it, the other waits for it), so a module's run is not made twice
+    when `-n 2 --dist worksteal` hands the module's tests to both workers."""
+    base = tmp_path_factory.getbasetemp()  # a worker's is inside the session's
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    with FileLock(f"{folder}.lock"):
+        if not folder.with_suffix(".made").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            folder.with_suffix(".made").touch()
+    return folder
 
 
 def project_copy(folder: Path, task: str | None = None) -> Path:

@@ -21,6 +21,7 @@ from conftest import (
     ckpt_name,
     final_model,
     load_state,
+    made_once,
     ok,
     python_train,
     read_metrics,
@@ -116,35 +117,33 @@ def train_in(folder: Path, name: str, *flags: str) -> subprocess.CompletedProces
                        folder))
 
 
+# Each run below is made once, for the tests that check it (for both xdist workers).
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    """The folder of the runs below: each is made once, for the tests that check it."""
-    skip_unless_example_task()
-    return tmp_path_factory.mktemp("features")
-
-
-@pytest.fixture(scope="module")
-def default_run(runs) -> Path:
+def default_run(tmp_path_factory) -> Path:
     """The default run: the DDP options' reference; its distributed evaluation."""
-    train_in(runs, "default")
-    return runs
+    skip_unless_example_task()
+    return made_once(tmp_path_factory, "features-default", lambda f: train_in(f, "default"))
 
 
 @pytest.fixture(scope="module")
-def options_run(runs) -> Path:
+def options_run(tmp_path_factory) -> Path:
     """With the DDP options that must keep the default's bits, and the throughput report and
     profiler (these only watch)."""
-    result = train_in(runs, "options", *DDP_OPTIONS, "--step-times", "steps.json",
-                      "--profile-steps", "2:4")
-    (runs / "options.out").write_text(result.stdout)
-    return runs
+    def train(folder: Path) -> None:
+        result = train_in(folder, "options", *DDP_OPTIONS, "--step-times", "steps.json",
+                          "--profile-steps", "2:4")
+        (folder / "options.out").write_text(result.stdout)
+
+    skip_unless_example_task()
+    return made_once(tmp_path_factory, "features-options", train)
 
 
 @pytest.fixture(scope="module")
-def powersgd_run(runs) -> Path:
+def powersgd_run(tmp_path_factory) -> Path:
     """PowerSGD: the hooks' closeness, and its resumes."""
-    train_in(runs, "powersgd", *POWERSGD)
-    return runs
+    skip_unless_example_task()
+    return made_once(tmp_path_factory, "features-powersgd",
+                     lambda f: train_in(f, "powersgd", *POWERSGD))
 
 
 @pytest.mark.skipif(DEFAULT_MODEL_LAYOUT == "fsdp", reason="fsdp does not use DDP")
@@ -155,16 +154,17 @@ def test_ddp_options_give_the_default_result_and_hooks_stay_close(default_run, o
     and the throughput report and profiler, which only watch). The comm hooks change the
     numbers: fp16 and bf16 within 1 % of the default's validation loss, PowerSGD (rank 4 from
     step 4, several buckets) within 5 %; and each of them really ran (other weights)."""
-    runs = default_run  # (the folder of all three)
+    folders = {"options": options_run, "powersgd": powersgd_run}  # fp16, bf16: default_run's
 
     def result(name: str) -> tuple[dict, float]:
-        return final_model(runs / name), summary(runs / f"r-{name}")["val_loss"]
+        folder = folders.get(name, default_run)
+        return final_model(folder / name), summary(folder / f"r-{name}")["val_loss"]
 
     default, default_loss = result("default")
     assert_same_model(default, result("options")[0])
     for hook, tolerance in {"fp16": 0.01, "bf16": 0.01, "powersgd": 0.05}.items():
         if hook != "powersgd":
-            train_in(runs, hook, "--comm-hook", hook, "--bucket-cap-mb", "0.002")
+            train_in(default_run, hook, "--comm-hook", hook, "--bucket-cap-mb", "0.002")
         model, loss = result(hook)
         assert not all(torch.equal(model[k], default[k]) for k in default), hook
         assert loss == pytest.approx(default_loss, rel=tolerance), hook
@@ -232,9 +232,8 @@ def seed_7(tmp_path_factory) -> Path:
     """One process with a data worker and --seed 7: the seed test's first model, the plot test's
     metrics."""
     skip_unless_example_task()
-    folder = tmp_path_factory.mktemp("seed")
-    ok(python_train([*SEEDED, "--seed", "7", "--checkpoint-dir", "a"], folder))
-    return folder
+    args = [*SEEDED, "--seed", "7", "--checkpoint-dir", "a"]
+    return made_once(tmp_path_factory, "features-seed", lambda f: ok(python_train(args, f)))
 
 
 def test_another_seed_gives_another_model(seed_7, tmp_path):

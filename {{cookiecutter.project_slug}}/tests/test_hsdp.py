@@ -17,6 +17,7 @@ from conftest import (
     assert_same_model,
     final_model,
     kill_a_worker_once_saved,
+    made_once,
     needs_numpy,
     ok,
     read_metrics,
@@ -72,15 +73,17 @@ exit_process(main())
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     """An HSDP run (2 x 2, 4 epochs) that was never interrupted, started through WITH_SHARDS:
-    one launch for the training tests and the shard test."""
+    one launch for the training tests and the shard test (for both xdist workers)."""
     skip_unless_example_task()
-    folder = tmp_path_factory.mktemp("hsdp")
-    script = folder / "with_shards.py"
-    script.write_text(WITH_SHARDS)
-    result = ok(run_cmd([*torchrun_cmd(4), str(script), "--no-progress", *HSDP, "--epochs", "4",
-                         "--checkpoint-dir", "a", "--output-dir", "runs/a"], folder))
-    assert "fsdp: 2 replica group(s) of 2 rank(s) (HSDP)" in result.stdout
-    return folder
+
+    def train(folder: Path) -> None:
+        script = folder / "with_shards.py"
+        script.write_text(WITH_SHARDS)
+        result = ok(run_cmd([*torchrun_cmd(4), str(script), "--no-progress", *HSDP, "--epochs",
+                             "4", "--checkpoint-dir", "a", "--output-dir", "runs/a"], folder))
+        assert "fsdp: 2 replica group(s) of 2 rank(s) (HSDP)" in result.stdout
+
+    return made_once(tmp_path_factory, "hsdp", train)
 
 
 # train.py with plain SGD: AdamW divides each step by the gradient's own size, which hides

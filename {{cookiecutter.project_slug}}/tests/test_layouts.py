@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ from conftest import (
     child_env,
     final_model,
     load_state,
+    made_once,
     needs_numpy,
     ok,
     one_error,
@@ -241,35 +243,41 @@ FSDP = [*QUICK, "--model-layout", "fsdp", "--save-every-steps", "2", "--epochs",
 KILLABLE = sys.platform.startswith("linux")  # finds the workers through /proc
 
 
+# The fsdp tests' two runs, each made once for both xdist workers.
 @pytest.fixture(scope="module")
 def fsdp_a(tmp_path_factory) -> Path:
-    """The folder of the fsdp tests' runs, with a: an fsdp run never interrupted."""
+    """The folder of a: an fsdp run never interrupted."""
     skip_unless_example_task()
-    folder = tmp_path_factory.mktemp("fsdp")
-    ok(torchrun([*FSDP, "--checkpoint-dir", "a", "--output-dir", "runs/a"], folder))
-    return folder
+    a = [*FSDP, "--checkpoint-dir", "a", "--output-dir", "runs/a"]
+    return made_once(tmp_path_factory, "fsdp-a", lambda folder: ok(torchrun(a, folder)))
 
 
 @pytest.fixture(scope="module")
-def fsdp_b(fsdp_a) -> subprocess.CompletedProcess:
-    """b, in a's folder: the same run with --activation-checkpointing whose worker is SIGKILLed
+def fsdp_b(tmp_path_factory) -> Path:
+    """The folder of b: the same run with --activation-checkpointing whose worker is SIGKILLed
     mid-run, mid-epoch (step 10 or later) and restarted by torchrun (where /proc is missing:
-    stopped at step 6 and resumed)."""
-    folder = fsdp_a
+    stopped at step 6 and resumed); the last torchrun's exit code and output in b.json."""
+    skip_unless_example_task()
+    return made_once(tmp_path_factory, "fsdp-b", killed_and_restarted)
+
+
+def killed_and_restarted(folder: Path) -> None:
     b = [*FSDP, "--checkpoint-dir", "b", "--output-dir", "runs/b", "--activation-checkpointing"]
     if not KILLABLE:
         ok(torchrun([*b, "--max-steps", "6"], folder))
-        return ok(torchrun(b, folder))
-    job = subprocess.Popen([*torchrun_cmd(2, "--max-restarts=1"), TRAIN, "--no-progress", *b],
-                           cwd=folder, env=child_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    while not list((folder / "b").glob("ckpt_step0000001*")):
-        assert job.poll() is None, job.communicate()[1]
-        time.sleep(0.01)
-    agent = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()
-    os.kill(int(agent[1]), signal.SIGKILL)
-    out, err = job.communicate(timeout=240)
-    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
+        result = ok(torchrun(b, folder))
+    else:
+        job = subprocess.Popen([*torchrun_cmd(2, "--max-restarts=1"), TRAIN, "--no-progress", *b],
+                               cwd=folder, env=child_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        while not list((folder / "b").glob("ckpt_step0000001*")):
+            assert job.poll() is None, job.communicate()[1]
+            time.sleep(0.01)
+        agent = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()
+        os.kill(int(agent[1]), signal.SIGKILL)
+        out, err = job.communicate(timeout=240)
+        result = subprocess.CompletedProcess(job.args, job.returncode, out, err)
+    (folder / "b.json").write_text(json.dumps([result.returncode, result.stdout, result.stderr]))
 
 
 @needs_numpy
@@ -282,7 +290,7 @@ def test_fsdp_trains_saves_sharded_and_resumes_on_one_and_two_ranks(fsdp_a, fsdp
     assert len(list(newest.glob("*.distcp"))) == 2, "each rank wrote its own shards"
 
     # b checkpoints activations, and resumes: the uninterrupted run's weights, bit for bit.
-    assert_same_model(final_model(folder / "a"), final_model(folder / "b"))
+    assert_same_model(final_model(folder / "a"), final_model(fsdp_b / "b"))
 
     # On one process the shards are re-cut, and training goes on (in a copy: a stays as it is).
     shutil.copytree(newest, tmp_path / "c" / newest.name)
@@ -301,9 +309,9 @@ def test_fsdp_trains_saves_sharded_and_resumes_on_one_and_two_ranks(fsdp_a, fsdp
 @needs_numpy
 @pytest.mark.skipif(not KILLABLE, reason="finds the workers through /proc")
 def test_fsdp_worker_killed_mid_run_restarts_and_ends_bit_for_bit(fsdp_a, fsdp_b):
-    folder, killed = fsdp_a, fsdp_b
-    assert killed.returncode == 0 and "resumed from" in killed.stdout, killed.stderr
-    assert_same_model(final_model(folder / "a"), final_model(folder / "b"))
+    returncode, stdout, stderr = json.loads((fsdp_b / "b.json").read_text())
+    assert returncode == 0 and "resumed from" in stdout, stderr
+    assert_same_model(final_model(fsdp_a / "a"), final_model(fsdp_b / "b"))
 
 
 @needs_numpy

@@ -26,6 +26,7 @@ from conftest import (
     child_env,
     ckpt_name,
     load_state,
+    made_once,
     ok,
     one_error,
     python_train,
@@ -248,11 +249,11 @@ if __name__ == "__main__":  # data workers import this file too (they start from
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
-    """A folder with the checkpoints of a run that finished, for each case to start from."""
+    """A folder with the checkpoints of a run that finished, which each case copies to start
+    from (one folder for both xdist workers)."""
     skip_unless_example_task()
-    folder = tmp_path_factory.mktemp("finished")
-    ok(python_train(BASE[1:] + ["--epochs", "2"], folder))
-    return folder
+    args = BASE[1:] + ["--epochs", "2"]
+    return made_once(tmp_path_factory, "finished", lambda folder: ok(python_train(args, folder)))
 
 
 def prepare(workdir: Path, what: str) -> list[str]:

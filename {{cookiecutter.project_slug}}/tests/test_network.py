@@ -18,6 +18,7 @@ from conftest import (
     assert_same_model,
     child_env,
     final_model,
+    made_once,
     ok,
     path_with,
     skip_unless_example_task,
@@ -83,9 +84,9 @@ def reference(tmp_path_factory) -> dict:
     """The final model of the same job on one machine: 2 processes over loopback."""
     skip_unless_example_task()
     ref = {}
-    for name, args in (("small", SMALL), ("long", LONG)):
-        folder = tmp_path_factory.mktemp(name)
-        ok(torchrun(args, folder))
+    for name, args in (("small", SMALL), ("long", LONG)):  # once for both xdist workers
+        folder = made_once(tmp_path_factory, f"network-{name}",
+                           lambda folder, args=args: ok(torchrun(args, folder)))
         ref[name] = final_model(folder / "checkpoints")
     return ref
 

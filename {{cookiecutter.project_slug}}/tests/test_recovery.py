@@ -22,6 +22,7 @@ from conftest import (
     ckpt_name,
     descendants,
     final_model,
+    made_once,
     ok,
     python_train,
     run_cmd,
@@ -83,10 +84,9 @@ def newest_step(directory: Path) -> int:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    """Final parameters of a run that was never interrupted."""
+    """Final parameters of a run that was never interrupted (one for both xdist workers)."""
     skip_unless_example_task()
-    workdir = tmp_path_factory.mktemp("reference")
-    ok(torchrun(FLAGS[1:], workdir))
+    workdir = made_once(tmp_path_factory, "recovery", lambda f: ok(torchrun(FLAGS[1:], f)))
     return final_model(workdir / "checkpoints")
 
 
