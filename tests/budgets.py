@@ -79,5 +79,6 @@ def table(seconds: dict[str, float], overlapped: tuple[int, float] | None = None
                      f"read {CALIBRATION_S:.2f} s)")
     if overlapped:
         lines.append(f"({overlapped[0]} files at a time: these parts took {overlapped[1]:.0f} s of "
-                     f"wall time, against their {budget} s one at a time)")
+                     f"wall time; their tests' own times sum to {total:.0f} s, their budgets to "
+                     f"{budget} s)")
     return lines
