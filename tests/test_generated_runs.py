@@ -300,7 +300,7 @@ def bash_blocks(page: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("answers", SUITES, ids=answers_id)
-def test_other_tasks_and_answers_pass_their_tests(tmp_path, answers):
+def test_other_tasks_and_answers_pass_their_tests(tmp_path, answers, baked_once):
     project = bake_to(tmp_path, **answers)
     pytest_ = [PYTHON, "-m", "pytest", "-q", "--full", "-p", "no:cacheprovider"]
     # test_train's resume tests are left to the default project's suite: resuming with these
@@ -309,7 +309,7 @@ def test_other_tasks_and_answers_pass_their_tests(tmp_path, answers):
     # docs/recovery.md's commands are the default bake's words, which the default project's suite
     # runs; the chosen launcher's fine-tuning is test_train's here (28 CPU-s a bake).
     page = "docs/recovery.md"
-    assert bash_blocks(project / page) == bash_blocks(bake_to(tmp_path / "default") / page)
+    assert bash_blocks(project / page) == bash_blocks(baked_once() / page)
     same = f"tests/test_doc_commands.py::test_the_commands_of_a_page_run_as_written[{page}]"
     check_ok(run([*pytest_, "-n", "2", "--dist", "worksteal", "tests/test_task.py",
                   "tests/test_train.py", "tests/test_config.py", "tests/test_doc_commands.py",

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import re
 
-from conftest import ROOT, TORCH, Venv, check_ok
-from cookiecutter.main import cookiecutter
+from conftest import TORCH, Venv, check_ok
 
 
-def test_the_ray_bake_trains_restarts_and_refuses_mistakes_on_a_real_ray_cluster(tmp_path):
+def test_the_ray_bake_trains_restarts_and_refuses_mistakes_on_a_real_ray_cluster(tmp_path, bake):
     """Torch first, then the project with its `ray` extra; its tests/test_ray.py starts a local Ray
     cluster and runs scripts/train_ray.py on it (a run, a SIGKILLed worker restarted, the one-line
     mistakes, Ctrl-C on the driver with workers that save and with frozen ones, the cluster
     killed)."""
-    project = cookiecutter(str(ROOT), no_input=True, output_dir=str(tmp_path / "bake"),
-                           extra_context={"launcher": "ray"})
+    project = bake(launcher="ray")
     env = Venv(tmp_path / ".venv")
     env.pip(TORCH, cwd=project)
     env.pip("-e", ".[ray]", "pytest>=7", cwd=project)
