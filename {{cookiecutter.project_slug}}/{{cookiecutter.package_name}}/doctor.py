@@ -98,8 +98,7 @@ def preflight(argv: list[str], caller: str) -> str:
         sys.exit(1)
     except Exception:  # e.g. a task.py that needs the process group: the processes will say
         pass
-    return shlex.join([str(processes_per_node(torch.cuda.device_count(), cfg.model_layout)),
-                       *argv])
+    return shlex.join([str(processes_per_node(torch.cuda.device_count(), cfg.model_layout)), *argv])
 
 
 def absolute_paths(cfg: Config) -> list[str]:

@@ -57,10 +57,9 @@ def is_complete(path: AnyPath) -> bool:
     return path.is_file() and path.stat().st_size > 0
 
 
-def load_checkpoint(path: str | AnyPath, map_location: str | torch.device = "cpu",
-                    mmap: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | AnyPath, mmap: bool = False) -> dict[str, Any]:
     """A checkpoint file, loaded `weights_only` (never code); `mmap`: tensors read when used."""
-    return torch.load(storage.local_copy(storage.location(path)), map_location=map_location,
+    return torch.load(storage.local_copy(storage.location(path)), map_location="cpu",
                       weights_only=True, mmap=mmap)
 
 

@@ -24,21 +24,6 @@ _TEMP = re.compile(r"^\.ckpt_step\d+.*\.tmp")
 STALE_S = 3600  # an unfinished save in object storage older than this is removed
 
 
-def _lock(handle: Any) -> bool:
-    """Take an exclusive lock on an open file; False if another process holds it. The operating
-    system releases it when the holder dies, so a killed run never leaves it stale."""
-    try:
-        if os.name == "nt":  # no fcntl on Windows
-            import msvcrt
-            msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
-        else:
-            import fcntl
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-
-
 def probe(directory: RemotePath, timeout_s: float, flag: str = "--checkpoint-dir") -> None:
     """Write, list and delete a small object in `directory`: a missing bucket, bad credentials, an
     unreachable endpoint or a read-only prefix is one UsageError before training, in `timeout_s`."""
@@ -87,12 +72,20 @@ class CheckpointDir:
         except OSError as exc:
             raise UsageError(f"--checkpoint-dir {self.directory}: cannot write there "
                              f"({exc.strerror or exc}); choose a writable folder") from None
-        if not _lock(handle):
+        try:  # exclusive; the system releases it when its holder dies: a killed run leaves none
+            if os.name == "nt":  # no fcntl on Windows
+                import msvcrt
+                msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
+            else:
+                import fcntl
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another process holds it
             handle.seek(0)
             owner = handle.read().strip() or "another process"
             handle.close()
-            raise UsageError(f"--checkpoint-dir {self.directory} is in use by a run that is still "
-                             f"going ({owner}); wait for it, or use another --checkpoint-dir")
+            raise UsageError(f"--checkpoint-dir {self.directory} is in use by a run that is "
+                             f"still going ({owner}); wait for it, or use another "
+                             "--checkpoint-dir") from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}\n")
@@ -118,8 +111,7 @@ class CheckpointDir:
         """Move checkpoints that are not this run's history into `earlier-<time>/` (nothing is
         deleted): those after step S for a run resumed from step S of this folder (an abandoned
         continuation, or a damaged newest one), else all of them."""
-        same_folder = resumed_from is not None and (
-            storage.location(str(resumed_from)).resolve().parent == self.directory.resolve())
+        same_folder = resumed_from and resumed_from.resolve().parent == self.directory.resolve()
         keep_up_to = files.step_of(resumed_from) if same_folder else -1
         others = [p for p in files.list_checkpoints(self.directory)
                   if files.step_of(p) > keep_up_to]

@@ -116,7 +116,7 @@ def load_into(path: Path, model: torch.nn.Module, optim: Optimization, world_siz
         extra = {"ema": ema.state_dict()} if ema is not None and meta.get("has_ema") else {}
         rng, saved_ema = sharded.load(path, model, optimizers, meta, extra), extra.get("ema")
     else:
-        state = load_checkpoint(path, map_location="cpu")
+        state = load_checkpoint(path)
         check_same_shapes(model.state_dict(), state["model"], path)
         check(state, path)
         sharded.set_full_state(model, optimizers, state["model"], state["optimizer"])

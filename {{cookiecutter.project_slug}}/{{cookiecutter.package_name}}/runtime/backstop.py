@@ -230,9 +230,8 @@ class Watchdog:
 
 
 def main(argv: list[str]) -> None:
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, getattr(signal, "SIGUSR1", 0)):
-        if signum:  # signals to the whole process group are the training process's to handle
-            signal.signal(signum, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)  # a signal to the group is the training process's
     worker, launcher, rank, commands, stacks, signals, token = (int(a) for a in argv[:7])
     Watchdog(worker, launcher, rank, commands, stacks, socket.socket(fileno=signals), token,
              Path(argv[7])).run()

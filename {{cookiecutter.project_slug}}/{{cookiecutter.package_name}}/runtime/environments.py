@@ -136,8 +136,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
         prefix, ranges, suffix = match.groups()
         for part in ranges.split(","):
             lo, _, hi = part.partition("-")
-            numbers = [f"{n:0{len(lo)}d}" for n in range(int(lo), int(hi) + 1)] if hi else [lo]
-            for number in numbers:
+            for number in [f"{n:0{len(lo)}d}" for n in range(int(lo), int(hi) + 1)] if hi else [lo]:
                 hosts.extend(expand_nodelist(f"{prefix}{number}{suffix}"))
     return hosts
 

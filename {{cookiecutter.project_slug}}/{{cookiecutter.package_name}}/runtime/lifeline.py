@@ -65,7 +65,6 @@ class Lifeline:
         self.cleanups: list[Callable[[], None]] = []  # run before the process is ended here
         self._first_signal_at = 0.0
         self._wait: tuple[float, str, str, float] | None = None  # deadline, what, hint, timeout
-        self._lock = threading.Lock()
         self._reader, self._writer = socket.socketpair()
         self._handlers: dict[int, object] = {}
         self._old_wakeup_fd = -1
@@ -114,8 +113,7 @@ class Lifeline:
         wait (rendezvous, store, collective, checkpoint I/O, error reporting) for the backstop."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s + 2.0 + 0.1 * timeout_s
-        with self._lock:
-            self._wait = (deadline, what, hint, timeout_s)
+        self._wait = (deadline, what, hint, timeout_s)
         with suppress(BlockingIOError):  # wakes the watcher thread
             self._writer.send(b"\0")
         if self._backstop:
@@ -123,23 +121,20 @@ class Lifeline:
         try:
             yield
         finally:
-            with self._lock:
-                self._wait = None
+            self._wait = None
             if self._backstop:
                 self._backstop.tell("disarm")
 
     def _watch(self) -> None:
         sources = [self._reader] + ([self._backstop.signals] if self._backstop else [])
         while self._phase != "closed":
-            with self._lock:
-                wait = self._wait
+            wait = self._wait
             timeout = None if wait is None else max(0.0, wait[0] - time.monotonic())
             for source in select.select(sources, [], [], timeout)[0]:
                 for signum in source.recv(64):
                     if signum and self._phase != "closed":
                         self._on_signal(signum)
-            with self._lock:
-                wait = self._wait
+            wait = self._wait
             if wait is not None and wait[0] <= time.monotonic():
                 _, what, hint, timeout_s = wait
                 self._end(f"error: rank {self.rank}: waited {timeout_s:g} s (--timeout-s) for "
@@ -161,8 +156,7 @@ class Lifeline:
         elif (signum in ENDING and self.stop_signal in ENDING
               and now - self._first_signal_at > SAME_EVENT_S):
             what = "Ctrl-C" if signum == signal.SIGINT else name
-            self._end(f"second {what}: stopping now without saving; {self._hint}",
-                      128 + signum)
+            self._end(f"second {what}: stopping now without saving; {self._hint}", 128 + signum)
 
     def _end(self, line: str, code: int) -> None:
         if not self._backstop or self._backstop.claim_last_word():

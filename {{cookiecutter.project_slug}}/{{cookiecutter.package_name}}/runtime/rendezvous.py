@@ -37,15 +37,11 @@ def resolve_backend(requested: str, cuda_count: int, nccl_available: bool,
     if requested == "auto":
         return "nccl" if cuda_count > 0 and nccl_available and platform != "win32" else "gloo"
     if requested == "nccl":
-        if platform == "win32":
-            raise UsageError("backend nccl does not exist on Windows; use --backend gloo",
-                             everywhere=True)
-        if not nccl_available:
-            raise UsageError("backend nccl: this PyTorch build has no NCCL; use --backend gloo",
-                             everywhere=True)
-        if cuda_count == 0:
-            raise UsageError("backend nccl needs CUDA GPUs and none are visible; use --backend "
-                             "gloo", everywhere=True)
+        why = (" does not exist on Windows" if platform == "win32" else
+               ": this PyTorch build has no NCCL" if not nccl_available else
+               " needs CUDA GPUs and none are visible" if cuda_count == 0 else "")
+        if why:
+            raise UsageError(f"backend nccl{why}; use --backend gloo", everywhere=True)
     return requested
 
 
