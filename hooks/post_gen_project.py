@@ -25,6 +25,8 @@ TORCHFT = ["train_ft.py", "train.torchft.py", "{package}/fault_tolerance.py", "s
            "docs/fault-tolerance.md"]
 # Files of launcher=ray: deleted with the other launchers, which then bake no trace of Ray.
 RAY = ["scripts/train_ray.py", "{package}/runtime/ray_train.py", "tests/test_ray.py"]
+# Files of model_layout=tensor_parallel: deleted with the other layouts (the flag is then refused).
+TENSOR_PARALLEL = ["{package}/tensor_parallel.py", "tests/test_tensor_parallel.py"]
 
 def remove(target: Path) -> None:
     if target.is_dir():
@@ -42,6 +44,8 @@ def main() -> None:
     (root / "tests" / "tasks" / f"test_{task}.py").replace(root / "tests" / "test_task.py")
     (root / "configs" / f"{task}.toml").replace(root / "configs" / "example.toml")
     remove(package / "tasks")
+    if task != "language_model":  # its loss's chunked cross-entropy
+        remove(package / "cross_entropy.py")
     remove(root / "tests" / "tasks")
     presets = {"example.toml"} | ({"gpt2-small.toml"} if task == "language_model" else set())
     for path in (root / "configs").glob("*.toml"):
@@ -59,6 +63,9 @@ def main() -> None:
             remove(root / rel.format(package=ANSWERS["package_name"]))
     if ANSWERS["launcher"] != "ray":
         for rel in RAY:
+            remove(root / rel.format(package=ANSWERS["package_name"]))
+    if ANSWERS["model_layout"] != "tensor_parallel":
+        for rel in TENSOR_PARALLEL:
             remove(root / rel.format(package=ANSWERS["package_name"]))
     train = (f"scripts/train_local.sh --epochs 3     # {ANSWERS['launcher']}: one process per GPU,"
              " or 2 on CPU")

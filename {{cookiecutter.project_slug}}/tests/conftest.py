@@ -145,7 +145,8 @@ def ckpt_name(step: int) -> str:
     from {{ cookiecutter.package_name }}.checkpoint.files import checkpoint_path
     from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT
 
-    return checkpoint_path("", step, sharded=DEFAULT_MODEL_LAYOUT == "fsdp").name
+    sharded = DEFAULT_MODEL_LAYOUT in ("fsdp", "tensor_parallel")  # DCP folders
+    return checkpoint_path("", step, sharded=sharded).name
 
 
 def load_state(path: Path) -> dict:

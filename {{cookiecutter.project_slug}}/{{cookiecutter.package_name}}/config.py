@@ -35,7 +35,8 @@ DEFAULT_INIT_METHOD = "{{ cookiecutter.init_method }}"
 DEFAULT_MODEL_LAYOUT = "{{ cookiecutter.model_layout }}"
 DEFAULT_TRACKER = "{{ cookiecutter.tracker }}"
 
-LAYOUTS = ["data_parallel", "model_parallel_2", "fsdp"]
+LAYOUTS = ["data_parallel", "model_parallel_2", "fsdp"] + (  # tensor_parallel where generated
+    ["tensor_parallel"] if (Path(__file__).parent / "tensor_parallel.py").exists() else [])
 COMM_HOOKS = ["none", "bf16", "fp16", "powersgd"]
 TRACKERS = ["none", "tensorboard", "wandb", "mlflow"]
 SEED_MAX = 2**31 - 1  # the seed is offset per rank and per worker; keep it a plain 32-bit value
@@ -118,14 +119,16 @@ class Config:
     sync_bn: bool = setting(False, "convert BatchNorm to SyncBatchNorm (CUDA only; a warning on "
                             "CPU)")
     model_layout: str = setting(DEFAULT_MODEL_LAYOUT, "one device per process (DDP), the model "
-                                "split over two devices per process, or parameters sharded "
-                                "across ranks (FSDP2)", choices=LAYOUTS)
+                                "split over two devices per process, parameters sharded across "
+                                "ranks (FSDP2), or also split (tensor_parallel)", choices=LAYOUTS)
     stage_devices: list[str] = setting([], "model_parallel_2: the two devices of this process, "
                                        "e.g. cuda:0,cuda:1", type=device_pair, metavar="DEV0,DEV1")
     shard_group_size: int = setting(0, "fsdp: shard the model over groups of N ranks and "
                                     "replicate it across the groups (HSDP); 0 = one node's ranks "
                                     "when the job spans several nodes, else all ranks (plain "
                                     "fsdp)", low=0, metavar="N")
+    tp_size: int = setting(2, "tensor_parallel: ranks that split each layer of task.py's plan, "
+                           "consecutive (keep them in a node; one process: 1)", low=1, metavar="N")
 
     backend: str = setting(DEFAULT_BACKEND, "auto = nccl when CUDA GPUs are visible, else gloo",
                            choices=["auto", "nccl", "gloo"])
@@ -218,9 +221,11 @@ def parse_args(argv: list[str] | None, settings: type | None, warn: bool = True)
 # Flags that change only DDP, fsdp or --comm-hook powersgd: (flags, whether they act, else why).
 ONLY_WITH = (
     (("bucket_cap_mb", "static_graph", "gradient_as_bucket_view", "comm_hook"),
-     lambda cfg: cfg.model_layout != "fsdp",
-     "with --model-layout fsdp (FSDP exchanges gradients itself, without DDP)"),
+     lambda cfg: cfg.model_layout in ("data_parallel", "model_parallel_2"),
+     "with --model-layout {} (FSDP exchanges gradients itself, without DDP)"),
     (("shard_group_size",), lambda cfg: cfg.model_layout == "fsdp", "without --model-layout fsdp"),
+    (("tp_size",), lambda cfg: cfg.model_layout == "tensor_parallel",
+     "without --model-layout tensor_parallel"),
     (("powersgd_rank", "powersgd_warmup_steps"), lambda cfg: cfg.comm_hook == "powersgd",
      "without --comm-hook powersgd"),
     (("min_lr",), lambda cfg: cfg.lr_schedule != "constant", "with --lr-schedule constant"))
@@ -229,7 +234,8 @@ ONLY_WITH = (
 def unused_settings(cfg: Config) -> list[str]:
     """Settings given (or, for the task's, changed from their default) that do nothing with the
     rest of the run."""
-    found = [f"--{name.replace('_', '-')} has no effect {why}" for names, acts, why in ONLY_WITH
+    found = [f"--{name.replace('_', '-')} has no effect {why.format(cfg.model_layout)}"
+             for names, acts, why in ONLY_WITH
              if not acts(cfg) for name in names if name in cfg.given]
     for f in dataclasses.fields(cfg.task):
         other = f.metadata.get("unused_with")
@@ -266,8 +272,8 @@ def problems(cfg: Config) -> list[str]:
         # that, stops exchanging gradients: a wrong run, so refused.
         found.append("--static-graph does not work with --grad-accum above 1 (a PyTorch bug in "
                      "DDP's no_sync with static_graph); drop one of them")
-    if cfg.sync_bn and cfg.model_layout == "fsdp":
-        found.append("--sync-bn does not work with --model-layout fsdp; drop --sync-bn")
+    if cfg.sync_bn and cfg.model_layout in ("fsdp", "tensor_parallel"):
+        found.append(f"--sync-bn does not work with --model-layout {cfg.model_layout}; drop it")
     if cfg.min_lr > cfg.lr:
         found.append(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}: give at most --lr")
     if (cfg.resume not in ("auto", "never", "weights-only") and not storage.is_url(cfg.resume)

@@ -61,9 +61,10 @@ def build_trainer(cfg: Config, world: World, backend: str, devices: list[torch.d
                         world.local_world_size)  # placed by --model-layout
     comm_hook = register_comm_hook(model, cfg)  # None without one
     cfg.total_steps = schedule(cfg, len(train_set), world.world_size)[1]  # read by task code
-    # fsdp on a GPU casts through its mixed-precision policy instead of autocast.
+    # fsdp (and tensor_parallel's) on a GPU casts through its mixed-precision policy, not autocast.
+    sharded = cfg.model_layout in ("fsdp", "tensor_parallel")
     optim = Optimization(model, cfg, devices[0], cfg.total_steps,
-                         autocast=not (cfg.model_layout == "fsdp" and devices[0].type == "cuda"),
+                         autocast=not (sharded and devices[0].type == "cuda"),
                          configure=getattr(task, "configure_optimizer", None))
     trainer = Trainer(cfg, world, task, model, optim, data,
                       Runtime(devices[0], backend, lifeline, STARTED_AT, comm_hook,

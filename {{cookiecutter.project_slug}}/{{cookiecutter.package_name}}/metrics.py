@@ -135,11 +135,13 @@ class Metrics:
         (SPEC §10); else the run stops before a bad checkpoint replaces the newest good one."""
         if step == self._checked_at:  # a replica check, then a save: the same weights
             return
-        mesh = getattr(named[0][1], "device_mesh", None)
+        # Its group: the ranks meant to hold equal weights share their places on sharded mesh dims.
+        group = hash(tuple(p.device_mesh.get_coordinate()[i] for _, p in named if hasattr(
+            p, "placements") for i, place in enumerate(p.placements) if place.is_shard()))
         zero = torch.zeros((), device=self.comm_device, dtype=torch.float64)
         mine = torch.cat([torch.stack([self._sums.get("loss", zero).to(zero), zero + sum(
             (~v.isfinite()).to(zero) for k, v in self._sums.items() if k != "loss"),
-            zero + self.world.rank % (mesh.shape[-1] if mesh is not None else 1)]),  # its group
+            zero + group % 2**52]),  # a float64 holds it exactly
             torch.stack([fingerprint(p) for _, p in named]).to(zero)])
         rows = [torch.empty_like(mine) for _ in range(self.world.world_size)]
         dist.all_gather(rows, mine)

@@ -101,7 +101,6 @@ class Optimization:
             self.schedulers[name] = scheduler or torch.optim.lr_scheduler.LambdaLR(
                 optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps,
                                      cfg.min_lr / cfg.lr))
-        self.only = next(iter(self.optimizers))  # the name `update()` means, if only one
         self.params = {name: [p for g in o.param_groups for p in g["params"]]
                        for name, o in self.optimizers.items()}
         self.unheld = check_disjoint(self.params, unwrap(model))
@@ -129,7 +128,10 @@ class Optimization:
         optimizer = self.optimizers[name]
         if self.cfg.clip_grad > 0:
             self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            torch.nn.utils.clip_grad_norm_(self.params[name], self.cfg.clip_grad)
+            clip = torch.nn.utils.clip_grad_norm_
+            if self.cfg.model_layout == "tensor_parallel":  # parameters on two device meshes
+                from .tensor_parallel import clip_grad_norm as clip
+            clip(self.params[name], self.cfg.clip_grad)
         self.scaler.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         self.schedulers[name].step()
@@ -137,8 +139,8 @@ class Optimization:
 
     def named(self, name: str | None) -> str:
         """`name` when there is such an optimizer (None: the only one), else one error line."""
-        if (name := self.only if name is None and len(self.optimizers) == 1 else name) in \
-                self.optimizers:
+        name = next(iter(self.optimizers)) if name is None and len(self.optimizers) == 1 else name
+        if name in self.optimizers:
             return name
         have = ", ".join(f"'{n}'" for n in self.optimizers)
         raise UsageError(f"task.train_step: no optimizer {name!r}: task.configure_optimizer "

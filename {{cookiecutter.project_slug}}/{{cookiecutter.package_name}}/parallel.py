@@ -129,9 +129,8 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
     blocks = usable_blocks(model, task, cfg)
     if cfg.activation_checkpointing:
         checkpoint_blocks(blocks, cfg.compile)
-    if cfg.model_layout == "fsdp":
-        shard = shard_group_size(cfg.shard_group_size, dist.get_world_size(), local_world_size)
-        return _fully_shard(model, cfg, devices[0], task, blocks, is_main, shard)
+    if cfg.model_layout in ("fsdp", "tensor_parallel"):
+        return _fully_shard(model, cfg, devices[0], task, blocks, is_main, local_world_size)
     if cfg.model_layout == "model_parallel_2":
         split_over_two(model, blocks, devices)
     else:
@@ -168,7 +167,7 @@ def rows_on_rank(p: torch.Tensor, shards: int) -> int:
 
 
 def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
-                 blocks: list[nn.Module], is_main: bool, shard: int) -> nn.Module:
+                 blocks: list[nn.Module], is_main: bool, local_world_size: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -179,13 +178,18 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
     model.to(device)
     for tensor in (*model.parameters(), *model.buffers()):  # rank 0's, as DDP's wrap does: a
         dist.broadcast(tensor.detach(), src=0)  # rank-seeded init would shard other models' parts
-    replicas = dist.get_world_size() // shard
-    # One dimension: plain fsdp. Two: HSDP, fully_shard replicates over the first and shards
-    # over the second (each group of `shard` consecutive ranks holds one copy).
-    mesh = (init_device_mesh(device.type, (shard,)) if replicas == 1 else
-            init_device_mesh(device.type, (replicas, shard), mesh_dim_names=("replicate", "shard")))
-    if replicas > 1 and is_main:
-        print(f"fsdp: {replicas} replica group(s) of {shard} rank(s) (HSDP)", flush=True)
+    if cfg.model_layout == "tensor_parallel":  # in the bakes that chose it: FSDP2 over "dp"
+        from .tensor_parallel import mesh_and_plan
+        mesh = mesh_and_plan(model, cfg, device, task, is_main)
+    else:
+        shard = shard_group_size(cfg.shard_group_size, dist.get_world_size(), local_world_size)
+        replicas = dist.get_world_size() // shard
+        # One dimension: plain fsdp. Two: HSDP, fully_shard replicates over the first and shards
+        # over the second (each group of `shard` consecutive ranks holds one copy).
+        mesh = (init_device_mesh(device.type, (shard,)) if replicas == 1 else init_device_mesh(
+            device.type, (replicas, shard), mesh_dim_names=("replicate", "shard")))
+        if replicas > 1 and is_main:
+            print(f"fsdp: {replicas} replica group(s) of {shard} rank(s) (HSDP)", flush=True)
     kwargs: dict[str, Any] = {"mesh": mesh}
     if device.type == "cuda" and cfg.precision != "fp32":
         # Compute in bf16/fp16, reduce gradients in fp32 (autocast is not used with fsdp on CUDA).
@@ -208,9 +212,8 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
         if cfg.compile:
             block.compile()  # compile each block before sharding it, as torchtitan does
         fully_shard(block, **kwargs)
-    for child in children.values():
-        fully_shard(child, **kwargs)
-    fully_shard(model, **kwargs)
+    for unit in (*children.values(), model):  # the children, then the root
+        fully_shard(unit, **kwargs)
     if custom:
         private.fsdp_for_own_step(model, [m for m in model.modules() if isinstance(m, FSDPModule)])
         for name, module in model.named_modules():  # with --compile too (train_step is eager)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import task
-from .config import Config
+from .config import LAYOUTS, Config
 from .data import BatchFetcher
 from .evaluation import without_validation
 from .failures import ProjectError, UsageError
@@ -23,7 +23,6 @@ from .optim import AMP_DTYPES, optimizer_state, schedule
 from .parallel import rows_on_rank, second_stage, shard_group_size, usable_blocks
 
 RESERVE_GB = 2.0  # per GPU: the CUDA context, NCCL's buffers, the caching allocator's slack
-LAYOUTS = ("data_parallel", "fsdp", "model_parallel_2")
 EXACT = ("parameters", "gradients", "optimizer state")
 ROWS = (*EXACT, "EMA weights", "DDP gradient copies", "buffers", "activations (estimate)",
         "fsdp gathered")
@@ -47,15 +46,20 @@ def static_memory(cfg: Config, layout: str, world: int,
     blocks = usable_blocks(model, task, cfg)  # the run's refusals (parallel.parallelize)
     # fsdp shards over groups of --shard-group-size ranks (HSDP; 0: a node when there are several)
     shards = shard_group_size(cfg.shard_group_size, world, per_node) if layout == "fsdp" else 1
+    sizes, dp = {}, world  # tensor_parallel: each parameter's elements on a rank; fsdp's ranks
+    if layout == "tensor_parallel":
+        from .tensor_parallel import elements_on_rank
+        sizes, dp = elements_on_rank(model, task, cfg.tp_size, world)
     second = second_stage(model, blocks) if layout == "model_parallel_2" else set()
     owner = {id(t): int(m in second) for m in model.modules()
              for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
     name, state = optimizer_state(model, cfg, getattr(task, "configure_optimizer", None))
     out = [dict.fromkeys(ROWS[:-2], 0) for _ in range(2 if second else 1)]
     # DDP's buckets hold a gradient copy unless they are views; PowerSGD's error feedback one more.
-    copies = (not cfg.gradient_as_bucket_view) + (cfg.comm_hook == "powersgd") if shards == 1 else 0
+    copies = (not cfg.gradient_as_bucket_view) + (cfg.comm_hook == "powersgd") if (
+        shards == 1 and not sizes) else 0
     for p in model.parameters():  # each shared parameter once
-        gpu, local = out[owner[id(p)]], rows_on_rank(p, shards)
+        gpu, local = out[owner[id(p)]], sizes[id(p)] if sizes else rows_on_rank(p, shards)
         gpu["parameters"] += local * p.element_size()  # fp32 master weights in every precision
         gpu["gradients"] += local * p.element_size() if p.requires_grad else 0
         gpu["DDP gradient copies"] += copies * local * p.element_size() if p.requires_grad else 0
@@ -68,9 +72,11 @@ def static_memory(cfg: Config, layout: str, world: int,
         out[owner[id(b)]]["buffers"] += b.numel() * b.element_size()
     for gpu in out if state is None else []:
         gpu["optimizer state"] = None
-    if layout == "fsdp":
-        units = [sum(p.numel() for p in block.parameters()) for block in blocks]
-        root = sum(p.numel() for p in model.parameters()) - sum(units)
+    if layout in ("fsdp", "tensor_parallel"):
+        whole = {id(p): sizes[id(p)] * dp if sizes else p.numel()
+                 for p in model.parameters()}  # gathered over fsdp's ranks (tp's stay split)
+        units = [sum(whole[id(p)] for p in block.parameters()) for block in blocks]
+        root = sum(whole.values()) - sum(units)
         compute = 2 if cfg.precision != "fp32" else 4  # MixedPrecisionPolicy's param_dtype
         # The root unit stays gathered for the step, blocks two at a time (one prefetched), and
         # one unit's gradients wait for their reduce-scatter; with --grad-accum above 1 every
@@ -241,14 +247,16 @@ def plan(cfg: Config, world: int, gpu_gb: float, per_node: int) -> int:
     samples, source, train_set, validated = training_data(cfg)
     acts, how = activations(cfg, train_set, sum(p.numel() * p.element_size() for p in params))
     columns, errors, optimizer = [], {}, "AdamW"
-    for layout in LAYOUTS:
+    for layout in sorted(LAYOUTS):  # data_parallel's column beside fsdp's
         try:
             gpus, optimizer = static_memory(cfg, layout, world, per_node)
         except ProjectError as exc:
             errors[layout] = str(exc)
             continue
         for i, figures in enumerate(gpus):
-            figures["activations (estimate)"] = acts and (acts[i] if len(gpus) == 2 else acts[2])
+            tp = cfg.tp_size if layout == "tensor_parallel" and world > 1 else 1  # tp x batch
+            figures["activations (estimate)"] = acts and (
+                acts[i] if len(gpus) == 2 else acts[2] * tp)
             columns.append((layout, f"GPU {i}" if len(gpus) == 2 else "", figures))
     print(f"plan: {world} processes, {gpu_gb:g} GB per GPU ({RESERVE_GB:g} GB of it kept for "
           f"the CUDA context, NCCL and the allocator), --batch-size {cfg.batch_size} per process, "
@@ -268,7 +276,10 @@ def plan(cfg: Config, world: int, gpu_gb: float, per_node: int) -> int:
                         f" split into ceil(rows / {shards}) rows as FSDP2 does{hsdp}). Estimates: "
                         f"activations ({how}); fsdp gathered (the root unit and two blocks "
                         "unsharded, one unit's gradients; with --grad-accum above 1 all gradients)."
-                        " model_parallel_2: one process on two GPUs, split as parallel.py does.",
+                        " model_parallel_2: one process on two GPUs, split as parallel.py does."
+                        + (f" tensor_parallel: the plan's layers split over --tp-size {cfg.tp_size}"
+                           " ranks, then as fsdp; activations of tp x --batch-size samples (a "
+                           "group's, at most)." if "tensor_parallel" in LAYOUTS else ""),
                         100, break_on_hyphens=False))
     notes, problems = settings(cfg, world, samples, source, model, shards)
     if not validated and (problem := without_validation(cfg)):  # as the run refuses it

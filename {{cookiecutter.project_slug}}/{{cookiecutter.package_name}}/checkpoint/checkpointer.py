@@ -40,12 +40,11 @@ class Checkpointer:
         self.ckpt_dir = (CheckpointDir(cfg.checkpoint_dir, cfg.keep_last, cfg.timeout_s)
                          if world.is_main else None)
         self.dcp = None
-        if cfg.model_layout == "fsdp":  # torch.distributed.checkpoint: imported where it is used
+        if cfg.model_layout in ("fsdp", "tensor_parallel"):  # DCP: imported where it is used
             from . import sharded
             self.dcp = sharded.ShardedCheckpoints(self.ckpt_dir, cfg.checkpoint_dir,
                                                   cfg.async_save, comm_device)
         self.staging = Staging() if cfg.async_save else None
-        self.every_epochs, self.every_steps = cfg.save_every, cfg.save_every_steps
         self.keep_next = False  # the next save is --keep-best's best so far: never pruned
         self.resumed_from: str | None = None
         self.saved_step = -1
@@ -62,10 +61,10 @@ class Checkpointer:
         if last:
             due = step != self.saved_step
         elif epoch_end is not None:
-            due = self.keep_next or (self.every_epochs > 0 and epoch_end % self.every_epochs == 0)
+            due = self.keep_next or (self.cfg.save_every and epoch_end % self.cfg.save_every == 0)
         else:
-            due = self.keep_next or (self.every_steps > 0 and step % self.every_steps == 0
-                                     and not last_of_epoch)
+            due = self.keep_next or (self.cfg.save_every_steps > 0 and not last_of_epoch
+                                     and step % self.cfg.save_every_steps == 0)
         if due:
             self.save(step, loop_state())
 
@@ -163,9 +162,8 @@ class Checkpointer:
                                                      batches_per_epoch, path, self.world.is_main,
                                                      data)
         self.resumed_from, self.saved_step = str(path), step
-        for saver in (self.ckpt_dir, self.dcp):  # what an error names as the newest checkpoint
-            if saver is not None:
-                saver.saved = path
+        for saver in filter(None, (self.ckpt_dir, self.dcp)):  # what an error names as newest
+            saver.saved = path
         retention = resume.keep_retention(self.cfg, meta.get("config", {}))  # every rank: same cfg
         if self.ckpt_dir is not None:
             self.ckpt_dir.keep_last = self.cfg.keep_last

@@ -19,6 +19,8 @@ Optional:
     collate(samples) -> batch              how samples become a batch (default: default_collate)
     blocks(model) -> list[nn.Module]       the repeated blocks: fsdp shards each one,
                                            model_parallel_2 splits the model between them
+    tensor_parallel_plan(model, tp_size)   {layer: "colwise" or "rowwise"}: what tensor_parallel
+                                           splits over tp ranks (docs/performance.md)
     finalize_metrics(averages) -> dict     numbers derived from the averages (perplexity)
     predict(model, inputs, cfg) -> list    one line per input (scripts/predict.py)
     tokens_per_sample(cfg), flops_per_token(model, cfg)    tokens/s and MFU in the metrics
@@ -40,6 +42,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .checkpoint import storage
+from .cross_entropy import ChunkedCrossEntropy
 from .data import InMemoryDataset, split_for_validation
 from .failures import UsageError, local_rank_from_env, warn
 from .settings import setting
@@ -138,17 +141,17 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
         self.proj = nn.Linear(width, width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
                                  nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).permute(
-            2, 0, 3, 1, 4)
+        y, size = self.norm1(x), c // self.heads  # -1 heads: tensor_parallel keeps 1/tp of them
+        q, k, v = (f(y).view(b, t, -1, size).transpose(1, 2) for f in (self.q, self.k, self.v))
         attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attention.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(attention.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.norm2(x))
 
 
@@ -204,6 +207,16 @@ def blocks(model: TinyGPT) -> list[nn.Module]:
     return list(model.blocks)
 
 
+def tensor_parallel_plan(model: TinyGPT, tp_size: int) -> dict[str, str]:
+    """--model-layout tensor_parallel: q, k, v (whole heads) and the MLP's first layer keep 1/tp of
+    their outputs (colwise), the layers after them 1/tp of their inputs (rowwise)."""
+    if (heads := model.blocks[0].heads) % tp_size:
+        raise UsageError(f"--tp-size {tp_size} must divide --num-heads {heads} (each rank "
+                         "computes whole heads)", everywhere=True)
+    return {f"blocks.*.{name}": "colwise" for name in ("q", "k", "v", "mlp.0")} | {
+        "blocks.*.proj": "rowwise", "blocks.*.mlp.2": "rowwise"}
+
+
 def tokens_per_sample(cfg: Config) -> int:
     return cfg.task.seq_len
 
@@ -230,42 +243,12 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return ChunkedCrossEntropy.apply(logits, targets)
 
 
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of 16-bit logits computed in float32 a chunk of rows at a time, keeping
-    only the 16-bit logits for the backward pass (as llm.c's fused classifier does)."""
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(logits, targets)
-        return torch.cat([-torch.log_softmax(rows.float(), -1).gather(1, t[:, None])[:, 0]
-                          for rows, t in zip(*_chunks(logits, targets), strict=True)])
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        logits, targets = ctx.saved_tensors
-        out = torch.empty_like(logits)
-        for rows, t, g, o in zip(*_chunks(logits, targets, grad, out), strict=True):
-            p = torch.softmax(rows.float(), -1)  # d loss / d logits = softmax - one-hot
-            p[torch.arange(len(t), device=t.device), t] -= 1
-            o.copy_(p.mul_(g[:, None]))
-        return out, None
-
-
-def _chunks(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-    rows = max(1, 2**25 // tensors[0].shape[-1])  # 128 MB of float32 at a time
-    return [t.split(rows) for t in tensors]
-
-
-def _next_token_losses(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
-    return model(windows[:, :-1], windows[:, 1:])
-
-
 def loss_fn(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
-    return _next_token_losses(model, windows).mean()
+    return model(windows[:, :-1], windows[:, 1:]).mean()  # the mean of each next token's loss
 
 
 def eval_metrics(model: nn.Module, windows: torch.Tensor) -> dict:
-    losses = _next_token_losses(model, windows)
+    losses = model(windows[:, :-1], windows[:, 1:])
     return {"loss": losses.sum(), "count": losses.numel()}
 
 

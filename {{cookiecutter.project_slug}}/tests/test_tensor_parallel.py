@@ -1,0 +1,134 @@
+"""--model-layout tensor_parallel on 4 gloo processes (2 x 2): the same losses as one process with
+the same global batch, a SIGKILLed worker that resumes bit for bit, checkpoints that resume under
+fsdp, and the plan's mistakes as one error line. (Generated with model_layout=tensor_parallel.)"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    PROJECT_ROOT,
+    TRAIN,
+    assert_same_model,
+    final_model,
+    kill_a_worker_once_saved,
+    made_once,
+    ok,
+    one_error,
+    project_copy,
+    python_train,
+    read_metrics,
+    run_cmd,
+    summary,
+    torchrun,
+    torchrun_cmd,
+)
+
+from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.config import parse_args
+from {{ cookiecutter.package_name }}.failures import UsageError
+from {{ cookiecutter.package_name }}.tensor_parallel import task_plan
+
+pytestmark = [pytest.mark.full, pytest.mark.skipif(
+    not hasattr(task, "tensor_parallel_plan"), reason="task.py has no tensor_parallel_plan"),
+    pytest.mark.skipif(torch.__version__ < "2.9", reason="FSDP2 over gloo needs torch 2.9")]
+
+# 4 steps an epoch at 4 x 16 samples; 12 steps, a checkpoint every 2, all kept.
+SMALL = ["--dataset-size", "256", "--hidden-size", "16", "--epochs", "3", "--clip-grad", "1.0",
+         "--log-every", "1", "--save-every-steps", "2", "--keep-last", "10"]
+TP = [*SMALL, "--model-layout", "tensor_parallel", "--tp-size", "2", "--batch-size", "16"]
+
+
+def losses(output_dir: Path, key: str = "loss") -> list[float]:
+    return [r[key] for r in read_metrics(output_dir, key)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """a: 2 x 2 never interrupted; b: the same, its last worker SIGKILLed once the checkpoint of
+    step 6 is written, and restarted by torchrun; one: one process, data_parallel, the same
+    global batch (64)."""
+    def make(folder: Path) -> None:
+        ok(torchrun([*TP, "--checkpoint-dir", "a", "--output-dir", "runs/a"], folder, nproc=4))
+        kill_a_worker_once_saved([*torchrun_cmd(4, "--max-restarts=1"), TRAIN, "--no-progress",
+                                  *TP, "--checkpoint-dir", "b", "--output-dir", "runs/b"],
+                                 folder, folder / "b", step=6, worker=3)
+        ok(python_train([*SMALL, "--model-layout", "data_parallel", "--batch-size", "64",
+                         "--checkpoint-dir", "one", "--output-dir", "runs/one"], folder))
+    return made_once(tmp_path_factory, "tensor-parallel", make)
+
+
+def test_two_by_two_learns_as_one_process_with_the_same_global_batch(runs):
+    a, one = runs / "runs/a", runs / "runs/one"
+    assert summary(a)["model_layout"] == "tensor_parallel" and summary(a)["steps"] == 12
+    assert losses(a) == pytest.approx(losses(one), rel=1e-5)  # --clip-grad 1.0 clipped them
+    assert losses(a, "val_loss") == pytest.approx(losses(one, "val_loss"), rel=1e-5)
+
+
+def test_each_rank_holds_its_part_of_each_split_weight(runs):
+    """In the checkpoint's metadata: a split weight (q: 16 rows) in 4 pieces (tp x dp), a weight
+    left whole within a tensor-parallel group (a norm's) in 2 (dp)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(runs / "a/ckpt_step00000012")).read_metadata()
+    pieces = {key: [list(c.sizes) for c in meta.state_dict_metadata[key].chunks]
+              for key in ("model.blocks.0.q.weight", "model.blocks.0.norm1.weight")}
+    assert pieces["model.blocks.0.q.weight"] == [[4, 16]] * 4, pieces
+    assert pieces["model.blocks.0.norm1.weight"] == [[8]] * 2, pieces
+
+
+def test_a_killed_worker_restarts_and_ends_bit_for_bit(runs):
+    resumed = summary(runs / "runs/b")["resumed_from"]  # step 6, or a later one saved meanwhile
+    assert resumed[-8:] in ("00000006", "00000008", "00000010"), resumed
+    assert_same_model(final_model(runs / "a"), final_model(runs / "b"))
+
+
+def test_its_checkpoint_resumes_under_fsdp_and_exports_the_plain_model(runs, tmp_path):
+    """Step 6 of a, resumed on 2 ranks under fsdp (global batch 64 still): the losses of a's
+    steps 7 to 12, so the weights and the optimizer state came back whole."""
+    shutil.copytree(runs / "a/ckpt_step00000006", tmp_path / "c/ckpt_step00000006")
+    ok(torchrun([*SMALL, "--model-layout", "fsdp", "--batch-size", "32", "--checkpoint-dir", "c",
+                 "--output-dir", "runs/c"], tmp_path))
+    assert summary(tmp_path / "runs/c")["resumed_from"].endswith("ckpt_step00000006")
+    assert losses(tmp_path / "runs/c") == pytest.approx(losses(runs / "runs/a")[6:], rel=1e-5)
+    out = tmp_path / "model.pt"
+    ok(run_cmd([sys.executable, "-m", "{{ cookiecutter.package_name }}.checkpoint", "export",
+                str(runs / "a/ckpt_step00000012"), str(out)], PROJECT_ROOT))
+    exported = torch.load(out, map_location="cpu", weights_only=True)
+    task.build_model(parse_args(SMALL, task.Settings)).load_state_dict(exported["model"])
+
+
+def test_a_task_without_a_plan_is_one_error_line(tmp_path):
+    source = (PROJECT_ROOT / "{{ cookiecutter.package_name }}/task.py").read_text()
+    project = project_copy(tmp_path, source.replace("def tensor_parallel_plan", "def _no_plan"))
+    result = run_cmd([sys.executable, str(project / "train.py"), "--no-progress", *TP,
+                      "--tp-size", "1"], tmp_path, PYTHONPATH=str(project))
+    assert "define tensor_parallel_plan(model, tp_size) in task.py" in one_error(result)
+
+
+def test_a_plan_the_sizes_refuse_is_one_error_line():
+    cfg = parse_args([*TP, "--num-heads", "2"], task.Settings)
+    model = task.build_model(cfg)
+    assert task_plan(model, task, 2)["blocks.*.q"] == "colwise"
+    with pytest.raises(UsageError, match="--tp-size 4 must divide --num-heads 2"):
+        task_plan(model, task, 4)
+
+    class Own:  # a task.py whose plan is wrong
+        plan: dict[str, str] = {}
+
+        @classmethod
+        def tensor_parallel_plan(cls, model, tp_size):
+            return cls.plan
+    for plan, tp, words in (({"blocks.*.mlp.0": "colwise"}, 3, "'blocks.*.mlp.0' has 64 outputs,"
+                             " which --tp-size 3 does not divide"),
+                            ({"blocks.*.norm1": "colwise"}, 2, "for a path of nn.Linear layers"),
+                            ({"blocks.*.mlp.0": "columns"}, 2, "'columns' must be 'colwise' or"),
+                            ({}, 2, "returned no layers")):
+        Own.plan = plan
+        with pytest.raises(UsageError) as error:
+            task_plan(model, Own, tp)
+        assert words in str(error.value)

@@ -1,0 +1,192 @@
+"""--model-layout tensor_parallel: each linear layer the task names is split over the `tp` ranks of
+a 2-D mesh (data parallel x tensor parallel), then FSDP2 shards the result over `dp`.
+
+- The plan is task.py's `tensor_parallel_plan(model, tp_size)`: {module path: "colwise" or
+  "rowwise"}, as torchtitan and Megatron split a transformer: a colwise layer keeps 1/tp of its
+  outputs (attention's q, k, v; the MLP's first layer), the rowwise layer after it 1/tp of its
+  inputs, and one all-reduce adds the parts (DTensor's ColwiseParallel / RowwiseParallel).
+- The `tp` ranks of a group are consecutive (a node's, for the fast links); the mesh is
+  (world / tp) x tp. Data is unchanged: each rank still loads --batch-size samples, and a group
+  runs its ranks' batches as one (the inputs all-gathered along dim 0 before the model, each rank
+  keeping its own rows of the output): samples, steps, seeds and checkpoints count as under fsdp.
+- The rest of the model (embeddings, norms) is whole on each rank of a group, sharded over `dp`.
+  Checkpoints are DCP folders, as fsdp's: they resume under fsdp and data_parallel, and back.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import Config
+from .failures import UsageError
+
+STYLES = ("colwise", "rowwise")
+
+
+def group_size(tp_size: int, world: int) -> int:
+    """--tp-size checked against the world; one process splits nothing (`python train.py`)."""
+    if world > 1 and world % tp_size:
+        raise UsageError(f"--tp-size {tp_size} must divide the {world} ranks (the mesh is world / "
+                         "tp data-parallel groups of tp ranks); give a divisor", everywhere=True)
+    return tp_size if world > 1 else 1
+
+
+def task_plan(model: nn.Module, task: Any, tp: int) -> dict[str, str]:
+    """task.tensor_parallel_plan(model, tp), checked: each entry names nn.Linear layers of the
+    model whose split sizes tp divides. One error line for a task without a plan, or a bad one."""
+    if not hasattr(task, "tensor_parallel_plan"):
+        raise UsageError("--model-layout tensor_parallel splits the layers task.py names, and it "
+                         "names none: define tensor_parallel_plan(model, tp_size) in task.py "
+                         "(docs/performance.md), or use --model-layout fsdp", everywhere=True)
+    plan = dict(task.tensor_parallel_plan(model, tp))
+    modules = dict(model.named_modules())
+    for pattern, style in plan.items():
+        found = [m for name, m in modules.items() if fnmatch.fnmatchcase(name, pattern)]
+        if style not in STYLES or not found or not all(isinstance(m, nn.Linear) for m in found):
+            raise UsageError(f"tensor_parallel_plan: '{pattern}': {style!r} must be 'colwise' or "
+                             "'rowwise' for a path of nn.Linear layers of the model (e.g. "
+                             "'blocks.*.mlp.0'); fix the plan in task.py", everywhere=True)
+        for m in found:
+            size = m.out_features if style == "colwise" else m.in_features
+            if size % tp:
+                side = "outputs" if style == "colwise" else "inputs"
+                raise UsageError(f"tensor_parallel_plan: '{pattern}' has {size} {side}, which "
+                                 f"--tp-size {tp} does not divide; give a --tp-size that divides "
+                                 "it, or change the model's sizes", everywhere=True)
+    if not plan:
+        raise UsageError("tensor_parallel_plan returned no layers; name at least one colwise and "
+                         "one rowwise nn.Linear", everywhere=True)
+    return plan
+
+
+def mesh_and_plan(model: nn.Module, cfg: Config, device: torch.device, task: Any,
+                  is_main: bool) -> Any:
+    """Split the plan's layers over the `tp` dimension (the model on `device`, the same on every
+    rank); returns the `dp` mesh FSDP2 shards over."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    world = dist.get_world_size()
+    tp = group_size(cfg.tp_size, world)
+    if cfg.compile or hasattr(task, "train_step") or cfg.ema_decay:
+        what = ("--compile" if cfg.compile else "a train_step of one's own"
+                if hasattr(task, "train_step") else "--ema-decay")
+        raise UsageError(f"{what} is not yet supported with --model-layout tensor_parallel; "
+                         "drop it or use --model-layout fsdp", everywhere=True)
+    plan = task_plan(model, task, tp)
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, mesh["tp"], {path: styles[s]() for path, s in plan.items()})
+    gather_batches(model, mesh["tp"].get_group(), tp, mesh["tp"].get_local_rank())
+    if is_main:
+        print(f"tensor_parallel: {world // tp} data-parallel group(s) of {tp} rank(s); "
+              f"{len(plan)} plan entries split", flush=True)
+    return mesh["dp"]
+
+
+def gather_batches(model: nn.Module, group: Any, tp: int, me: int) -> None:
+    """The tp ranks of a group compute together: the model's tensor inputs are all-gathered along
+    dim 0 (every rank the same batch, as the split layers need), and each rank gets back its own
+    rows of the output (any output whose dim 0 is a multiple of the batch's: per-sample or
+    per-token), so that loss_fn and eval_metrics see this rank's samples only."""
+    rows: list[int] = []
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        first = next(t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim())
+        sizes = torch.tensor([len(first)], device=first.device)
+        if module.training:  # the training batches are the same size on every rank
+            rows[:] = [len(first)] * tp
+        else:  # validation: the last batches differ
+            parts = [torch.empty_like(sizes) for _ in range(tp)]
+            dist.all_gather(parts, sizes, group=group)
+            rows[:] = [int(p) for p in parts]
+        return (tuple(_gather(a, rows, group) for a in args),
+                {k: _gather(v, rows, group) for k, v in kwargs.items()})
+
+    def after(module: nn.Module, args: tuple, out: Any) -> Any:
+        if isinstance(out, tuple | list):
+            return type(out)(after(module, args, o) for o in out)
+        if isinstance(out, dict):
+            return {k: after(module, args, v) for k, v in out.items()}
+        if not torch.is_tensor(out) or not out.dim():
+            return out
+        per_row = len(out) // sum(rows)
+        start = sum(rows[:me]) * per_row
+        return _OwnRows.apply(out, start, rows[me] * per_row, group, tp)
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after)
+
+
+def _gather(x: Any, rows: list[int], group: Any) -> Any:
+    """x from every rank of the group, concatenated along dim 0 (padded to the longest)."""
+    if not torch.is_tensor(x) or not x.dim():
+        return x
+    longest = max(rows)
+    padded = torch.cat([x, x.new_zeros((longest - len(x), *x.shape[1:]))]) if (
+        len(x) < longest) else x.contiguous()
+    parts = [torch.empty_like(padded) for _ in rows]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, rows, strict=True)])
+
+
+class _OwnRows(torch.autograd.Function):
+    """Forward: this rank's rows of an output every rank of the group holds whole. Backward: the
+    gradient of the whole output, gathered from the group's ranks (each has its own rows' part)
+    over tp: each rank's weights then get the gradient of the mean of the group's losses, as under
+    data parallel, where each rank's loss is its own batch's mean."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, start: int, length: int, group: Any,
+                tp: int) -> torch.Tensor:
+        ctx.shape, ctx.start, ctx.group, ctx.tp = out.shape, start, group, tp
+        return out[start:start + length].clone()  # not a view: FSDP hooks the output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        whole = grad.new_zeros(ctx.shape)
+        whole[ctx.start:ctx.start + len(grad)] = grad
+        dist.all_reduce(whole, group=ctx.group)
+        return whole / ctx.tp, None, None, None, None
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> None:
+    """torch's clip_grad_norm_ over parameters on two device meshes (the split layers on
+    (dp, tp), the rest on dp), whose norms it cannot stack: a norm per mesh, then their norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    meshes = list(dict.fromkeys(getattr(g, "device_mesh", None) for g in grads))  # rank order
+    norms = [torch.nn.utils.get_total_norm([g for g in grads
+                                            if getattr(g, "device_mesh", None) == mesh])
+             for mesh in meshes]
+    total = torch.linalg.vector_norm(torch.stack(
+        [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]))
+    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+
+
+def elements_on_rank(model: nn.Module, task: Any, tp_size: int,
+                     world: int) -> tuple[dict[int, int], int]:
+    """doctor --plan: (each parameter's elements on the fullest rank, by id, as the run places
+    them: the plan's layers 1/tp (colwise: weight and bias rows; rowwise: weight columns), then
+    dim 0 of each over the world / tp data-parallel ranks, as FSDP2 does; those ranks). The
+    run's refusals."""
+    from .parallel import rows_on_rank
+
+    tp = group_size(tp_size, world)
+    plan, out = task_plan(model, task, tp), {}
+    for name, module in model.named_modules():
+        style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(name, pattern)), "")
+        for key, p in module.named_parameters(recurse=False):
+            shape = list(p.shape)
+            if style == "colwise" or (style == "rowwise" and key == "weight"):
+                shape[style == "rowwise"] //= tp
+            out[id(p)] = rows_on_rank(torch.empty(shape, device="meta"), world // tp)
+    return out, world // tp
