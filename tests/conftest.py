@@ -117,7 +117,9 @@ def expected_files(package: str, answers: dict) -> set[str]:
         "__init__", "backstop", "comm_hooks", "environments", "launch", "lifeline", "nccl", "network", "prefetch",
         "rendezvous", "torch_private", "trackers", "workarounds", "workers")}
     if answers.get("task") == "language_model":
-        files.add("configs/gpt2-small.toml")
+        files |= {"configs/gpt2-small.toml", f"{package}/cross_entropy.py"}
+    if answers.get("model_layout") == "tensor_parallel":
+        files |= {f"{package}/tensor_parallel.py", "tests/test_tensor_parallel.py"}
     if answers.get("slurm", True):
         files |= {"scripts/slurm/torchrun.sbatch", "scripts/slurm/srun.sbatch",
                   "tests/test_slurm.py"}

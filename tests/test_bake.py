@@ -100,7 +100,7 @@ def test_the_answers_are_the_projects_defaults(baked_once, answers):
     for tracker, package in (("tensorboard", "tensorboard"), ("wandb", "wandb"),
                              ("mlflow", "mlflow-skinny")):
         assert (package in dependencies) == (answers["tracker"] == tracker), tracker
-    assert ("numpy" in dependencies) == (answers["model_layout"] == "fsdp")
+    assert ("numpy" in dependencies) == (answers["model_layout"] in ("fsdp", "tensor_parallel"))
     extras = tomllib.loads((project / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
     if answers["fault_tolerance"] == "torchft":

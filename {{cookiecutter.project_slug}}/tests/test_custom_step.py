@@ -29,14 +29,16 @@ from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
 
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints
-from {{ cookiecutter.package_name }}.config import parse_args
+from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT, parse_args
 from {{ cookiecutter.package_name }}.failures import UsageError
 from {{ cookiecutter.package_name }}.metrics import OWN_FIELDS, fingerprint
 from {{ cookiecutter.package_name }}.optim import Optimization
 from {{ cookiecutter.package_name }}.runtime.torch_private import compile_supported
 from {{ cookiecutter.package_name }}.step import Step, check_values, plain_step
 
-pytestmark = pytest.mark.full  # the slow tier: pytest --full
+pytestmark = [pytest.mark.full, pytest.mark.skipif(  # the slow tier: pytest --full
+    DEFAULT_MODEL_LAYOUT == "tensor_parallel", reason="a train_step of one's own is not yet "
+    "supported with --model-layout tensor_parallel (one error line)")]
 
 DOC = (PROJECT_ROOT / "docs/custom-step.md").read_text()
 # Each example: its section's heading, the values it logs, and short-run flags.

@@ -23,7 +23,7 @@ from conftest import (
 )
 
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints
-from {{ cookiecutter.package_name }}.config import parse_args
+from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT, parse_args
 
 pytestmark = pytest.mark.full  # the slow tier: pytest --full
 
@@ -161,6 +161,8 @@ def test_a_setting_declared_in_task_py_alone_is_a_flag_everywhere(custom_project
     """`dropout` exists only in the task's Settings: a flag under torchrun, a key of --config
     files under spawn, saved in config.json and in every checkpoint, and checked like any flag."""
     small = ["--no-progress", "--epochs", "1", "--batch-size", "16"]
+    if DEFAULT_MODEL_LAYOUT == "tensor_parallel":  # this task.py names no layers to split
+        small += ["--model-layout", "fsdp"]
     run = {"PYTHONPATH": str(custom_project)}
     ok(run_cmd([*torchrun_cmd(2), "train.py", *small, "--dropout", "0.3", "--output-dir", "a",
                 "--checkpoint-dir", "ca"], custom_project, **run))

@@ -41,6 +41,7 @@ pytestmark = [
 FLAGS = ["--dataset-size", "256", "--batch-size", "16", "--epochs", "4", "--hidden-size", "64",
          "--save-every-steps", "8", "--log-every", "2"]
 LAST_STEP = 32
+FILES = ["--model-layout", "data_parallel"]  # checkpoints as .pt files, in every bake
 PACKAGE = "{{ cookiecutter.package_name }}"
 
 
@@ -164,7 +165,7 @@ def test_a_machine_lost_mid_upload_resumes_elsewhere_from_the_previous_checkpoin
 def test_sigterm_saves_to_the_bucket_before_the_process_leaves(tmp_path, example_task, s3):
     url = "s3://bkt/preempted"
     flags = [*FLAGS, "--epochs", "400", "--checkpoint-dir", url, "--save-every-steps", "0",
-             "--save-every", "0", "--output-dir", "out"]
+             "--save-every", "0", "--output-dir", "out", *FILES]
     job = subprocess.Popen([*torchrun_cmd(2), TRAIN, "--no-progress", *flags], cwd=tmp_path,
                            env=child_env(**s3.env()), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -344,7 +345,7 @@ def test_a_storage_host_that_vanishes_ends_every_wait_within_the_timeout(tmp_pat
     server = S3Server(host=hosts[1])
     try:
         flags = ["--no-progress", *FLAGS, "--checkpoint-dir", "s3://bkt/vanishing",
-                 "--timeout-s", "12", "--output-dir", str(tmp_path / "out")]
+                 "--timeout-s", "12", "--output-dir", str(tmp_path / "out"), *FILES]
         cmd = [*torchrun_cmd(2), TRAIN, *flags]
         started = time.monotonic()
         result = hosts[0].run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120,

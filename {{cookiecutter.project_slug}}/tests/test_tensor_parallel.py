@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.full, pytest.mark.skipif(
 
 # 4 steps an epoch at 4 x 16 samples; 12 steps, a checkpoint every 2, all kept.
 SMALL = ["--dataset-size", "256", "--hidden-size", "16", "--epochs", "3", "--clip-grad", "1.0",
-         "--log-every", "1", "--save-every-steps", "2", "--keep-last", "10"]
+         "--ema-decay", "0.9", "--log-every", "1", "--save-every-steps", "2", "--keep-last", "10"]
 TP = [*SMALL, "--model-layout", "tensor_parallel", "--tp-size", "2", "--batch-size", "16"]
 
 
@@ -66,7 +66,8 @@ def test_two_by_two_learns_as_one_process_with_the_same_global_batch(runs):
     a, one = runs / "runs/a", runs / "runs/one"
     assert summary(a)["model_layout"] == "tensor_parallel" and summary(a)["steps"] == 12
     assert losses(a) == pytest.approx(losses(one), rel=1e-5)  # --clip-grad 1.0 clipped them
-    assert losses(a, "val_loss") == pytest.approx(losses(one, "val_loss"), rel=1e-5)
+    for key in ("val_loss", "val_raw_loss"):  # the moving average's weights, and the weights
+        assert losses(a, key) == pytest.approx(losses(one, key), rel=1e-5), key
 
 
 def test_each_rank_holds_its_part_of_each_split_weight(runs):
@@ -87,14 +88,22 @@ def test_a_killed_worker_restarts_and_ends_bit_for_bit(runs):
     assert_same_model(final_model(runs / "a"), final_model(runs / "b"))
 
 
-def test_its_checkpoint_resumes_under_fsdp_and_exports_the_plain_model(runs, tmp_path):
-    """Step 6 of a, resumed on 2 ranks under fsdp (global batch 64 still): the losses of a's
-    steps 7 to 12, so the weights and the optimizer state came back whole."""
-    shutil.copytree(runs / "a/ckpt_step00000006", tmp_path / "c/ckpt_step00000006")
-    ok(torchrun([*SMALL, "--model-layout", "fsdp", "--batch-size", "32", "--checkpoint-dir", "c",
-                 "--output-dir", "runs/c"], tmp_path))
-    assert summary(tmp_path / "runs/c")["resumed_from"].endswith("ckpt_step00000006")
-    assert losses(tmp_path / "runs/c") == pytest.approx(losses(runs / "runs/a")[6:], rel=1e-5)
+def test_its_checkpoints_resume_under_the_other_layouts_and_back(runs, tmp_path):
+    """Step 6 of a, resumed on 2 ranks under fsdp and on one under data_parallel (global batch 64
+    still): a's losses of steps 7 to 12, so the weights and the optimizer state came back whole;
+    fsdp's step 8 resumed as 2 x 2: a's steps 9 to 12. The export is the plain model."""
+    a = losses(runs / "runs/a")
+    for layout, flags, nproc in (("fsdp", ["--batch-size", "32"], 2),
+                                 ("data_parallel", ["--batch-size", "64"], 1)):
+        shutil.copytree(runs / "a/ckpt_step00000006", tmp_path / layout / "ckpt_step00000006")
+        args = [*SMALL, "--model-layout", layout, *flags, "--checkpoint-dir", layout,
+                "--output-dir", f"runs/{layout}"]
+        ok(torchrun(args, tmp_path) if nproc == 2 else python_train(args, tmp_path))
+        assert summary(tmp_path / "runs" / layout)["resumed_from"].endswith("ckpt_step00000006")
+        assert losses(tmp_path / "runs" / layout) == pytest.approx(a[6:], rel=1e-5), layout
+    shutil.copytree(tmp_path / "fsdp/ckpt_step00000008", tmp_path / "back/ckpt_step00000008")
+    ok(torchrun([*TP, "--checkpoint-dir", "back", "--output-dir", "runs/back"], tmp_path, nproc=4))
+    assert losses(tmp_path / "runs/back") == pytest.approx(a[8:], rel=1e-5)
     out = tmp_path / "model.pt"
     ok(run_cmd([sys.executable, "-m", "{{ cookiecutter.package_name }}.checkpoint", "export",
                 str(runs / "a/ckpt_step00000012"), str(out)], PROJECT_ROOT))
@@ -132,3 +141,19 @@ def test_a_plan_the_sizes_refuse_is_one_error_line():
         with pytest.raises(UsageError) as error:
             task_plan(model, Own, tp)
         assert words in str(error.value)
+
+
+def test_the_plan_counts_each_ranks_share_and_refuses_what_the_run_refuses():
+    """doctor --plan's figures for 2 x 2: the pieces the checkpoint's metadata shows above."""
+    from {{ cookiecutter.package_name }}.plan import static_memory
+    from {{ cookiecutter.package_name }}.tensor_parallel import elements_on_rank
+
+    cfg = parse_args(TP, task.Settings)
+    model = task.build_model(cfg)
+    sizes, dp = elements_on_rank(model, task, 2, 4)
+    q, norm = model.blocks[0].q.weight, model.blocks[0].norm1.weight
+    assert (dp, sizes[id(q)], sizes[id(norm)]) == (2, 4 * 16, 8)
+    assert static_memory(cfg, "tensor_parallel", 4)[0][0]["parameters"] == 4 * sum(sizes.values())
+    cfg = parse_args([*TP, "--num-heads", "2", "--tp-size", "4"], task.Settings)
+    with pytest.raises(UsageError, match="--tp-size 4 must divide --num-heads 2"):
+        static_memory(cfg, "tensor_parallel", 4)

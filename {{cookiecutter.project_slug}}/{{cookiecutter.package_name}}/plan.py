@@ -201,6 +201,9 @@ def settings(cfg: Config, world: int, samples: int | None, source: str, model: n
         if ran is not None and max(2, cfg.powersgd_warmup_steps) >= ran:
             problems.append(f"--powersgd-warmup-steps {cfg.powersgd_warmup_steps} is not shorter "
                             f"than the run ({ran} steps): PowerSGD never compresses")
+    notes += [f"tensor_parallel: the plan's layers split over --tp-size {cfg.tp_size} ranks, then "
+              "as fsdp; activations of tp x --batch-size samples (a group's, at most)"
+              ] if cfg.model_layout == "tensor_parallel" else []
     params = list(model.parameters())
     waste = sum((rows_on_rank(p, shards) * shards - p.numel()) * p.element_size() for p in params)
     rows = [p.shape[0] if p.dim() else 1 for p in params]
@@ -276,10 +279,7 @@ def plan(cfg: Config, world: int, gpu_gb: float, per_node: int) -> int:
                         f" split into ceil(rows / {shards}) rows as FSDP2 does{hsdp}). Estimates: "
                         f"activations ({how}); fsdp gathered (the root unit and two blocks "
                         "unsharded, one unit's gradients; with --grad-accum above 1 all gradients)."
-                        " model_parallel_2: one process on two GPUs, split as parallel.py does."
-                        + (f" tensor_parallel: the plan's layers split over --tp-size {cfg.tp_size}"
-                           " ranks, then as fsdp; activations of tp x --batch-size samples (a "
-                           "group's, at most)." if "tensor_parallel" in LAYOUTS else ""),
+                        " model_parallel_2: one process on two GPUs, split as parallel.py does.",
                         100, break_on_hyphens=False))
     notes, problems = settings(cfg, world, samples, source, model, shards)
     if not validated and (problem := without_validation(cfg)):  # as the run refuses it

@@ -77,9 +77,8 @@ def mesh_and_plan(model: nn.Module, cfg: Config, device: torch.device, task: Any
 
     world = dist.get_world_size()
     tp = group_size(cfg.tp_size, world)
-    if cfg.compile or hasattr(task, "train_step") or cfg.ema_decay:
-        what = ("--compile" if cfg.compile else "a train_step of one's own"
-                if hasattr(task, "train_step") else "--ema-decay")
+    if cfg.compile or hasattr(task, "train_step"):
+        what = "--compile" if cfg.compile else "a train_step of one's own"
         raise UsageError(f"{what} is not yet supported with --model-layout tensor_parallel; "
                          "drop it or use --model-layout fsdp", everywhere=True)
     plan = task_plan(model, task, tp)
