@@ -101,10 +101,10 @@ def gather_batches(model: nn.Module, group: Any, tp: int, me: int) -> None:
 
     def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         first = next(t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim())
-        sizes = torch.tensor([len(first)], device=first.device)
         if module.training:  # the training batches are the same size on every rank
             rows[:] = [len(first)] * tp
         else:  # validation: the last batches differ
+            sizes = torch.tensor([len(first)], device=first.device)
             parts = [torch.empty_like(sizes) for _ in range(tp)]
             dist.all_gather(parts, sizes, group=group)
             rows[:] = [int(p) for p in parts]
@@ -158,9 +158,11 @@ class _OwnRows(torch.autograd.Function):
         return whole / ctx.tp, None, None, None, None
 
 
+@torch.no_grad()
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> None:
     """torch's clip_grad_norm_ over parameters on two device meshes (the split layers on
-    (dp, tp), the rest on dp), whose norms it cannot stack: a norm per mesh, then their norm."""
+    (dp, tp), the rest on dp), whose norms it cannot stack, nor scale with one factor: a norm
+    per mesh, then their norm; each rank scales its own shards."""
     grads = [p.grad for p in params if p.grad is not None]
     meshes = list(dict.fromkeys(getattr(g, "device_mesh", None) for g in grads))  # rank order
     norms = [torch.nn.utils.get_total_norm([g for g in grads
@@ -168,7 +170,9 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> None:
              for mesh in meshes]
     total = torch.linalg.vector_norm(torch.stack(
         [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]))
-    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch's clip_grads_with_norm_
+    for g in grads:
+        (g.to_local() if hasattr(g, "to_local") else g).mul_(scale)
 
 
 def elements_on_rank(model: nn.Module, task: Any, tp_size: int,
