@@ -1,4 +1,4 @@
-"""Where the model lives: the three layouts of --model-layout.
+"""Where the model lives: the layouts of --model-layout (tensor_parallel: its module, where baked).
 
 - data_parallel: the whole model on one device per process, wrapped in DDP.
 - model_parallel_2: the second half of the model's blocks on a second device, then DDP.
