@@ -37,6 +37,7 @@ DEFAULT_TRACKER = "{{ cookiecutter.tracker }}"
 
 LAYOUTS = ["data_parallel", "model_parallel_2", "fsdp"] + (  # tensor_parallel where generated
     ["tensor_parallel"] if (Path(__file__).parent / "tensor_parallel.py").exists() else [])
+SHARDED = ("fsdp", "tensor_parallel")  # FSDP2's layouts: DCP checkpoints, no DDP
 COMM_HOOKS = ["none", "bf16", "fp16", "powersgd"]
 TRACKERS = ["none", "tensorboard", "wandb", "mlflow"]
 SEED_MAX = 2**31 - 1  # the seed is offset per rank and per worker; keep it a plain 32-bit value
@@ -272,7 +273,7 @@ def problems(cfg: Config) -> list[str]:
         # that, stops exchanging gradients: a wrong run, so refused.
         found.append("--static-graph does not work with --grad-accum above 1 (a PyTorch bug in "
                      "DDP's no_sync with static_graph); drop one of them")
-    if cfg.sync_bn and cfg.model_layout in ("fsdp", "tensor_parallel"):
+    if cfg.sync_bn and cfg.model_layout in SHARDED:
         found.append(f"--sync-bn does not work with --model-layout {cfg.model_layout}; drop it")
     if cfg.min_lr > cfg.lr:
         found.append(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}: give at most --lr")

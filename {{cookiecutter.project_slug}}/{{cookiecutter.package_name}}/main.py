@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import task
-from .config import Config, parse_args
+from .config import SHARDED, Config, parse_args
 from .data import ShardedBatchSampler, build_loader, place_on_device, validation_batches
 from .evaluation import Evaluator
 from .failures import RunFailure, UsageError
@@ -62,9 +62,8 @@ def build_trainer(cfg: Config, world: World, backend: str, devices: list[torch.d
     comm_hook = register_comm_hook(model, cfg)  # None without one
     cfg.total_steps = schedule(cfg, len(train_set), world.world_size)[1]  # read by task code
     # fsdp (and tensor_parallel's) on a GPU casts through its mixed-precision policy, not autocast.
-    sharded = cfg.model_layout in ("fsdp", "tensor_parallel")
     optim = Optimization(model, cfg, devices[0], cfg.total_steps,
-                         autocast=not (sharded and devices[0].type == "cuda"),
+                         autocast=not (cfg.model_layout in SHARDED and devices[0].type == "cuda"),
                          configure=getattr(task, "configure_optimizer", None))
     trainer = Trainer(cfg, world, task, model, optim, data,
                       Runtime(devices[0], backend, lifeline, STARTED_AT, comm_hook,

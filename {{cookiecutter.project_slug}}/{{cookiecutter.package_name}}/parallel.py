@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from .config import Config
+from .config import SHARDED, Config
 from .data import move_to
 from .failures import UsageError, warn
 from .runtime import torch_private as private
@@ -129,7 +129,7 @@ def parallelize(model: nn.Module, cfg: Config, devices: list[torch.device], task
     blocks = usable_blocks(model, task, cfg)
     if cfg.activation_checkpointing:
         checkpoint_blocks(blocks, cfg.compile)
-    if cfg.model_layout in ("fsdp", "tensor_parallel"):
+    if cfg.model_layout in SHARDED:
         return _fully_shard(model, cfg, devices[0], task, blocks, is_main, local_world_size)
     if cfg.model_layout == "model_parallel_2":
         split_over_two(model, blocks, devices)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import task
-from .config import LAYOUTS, Config
+from .config import LAYOUTS, SHARDED, Config
 from .data import BatchFetcher
 from .evaluation import without_validation
 from .failures import ProjectError, UsageError
@@ -72,7 +72,7 @@ def static_memory(cfg: Config, layout: str, world: int,
         out[owner[id(b)]]["buffers"] += b.numel() * b.element_size()
     for gpu in out if state is None else []:
         gpu["optimizer state"] = None
-    if layout in ("fsdp", "tensor_parallel"):
+    if layout in SHARDED:
         whole = {id(p): sizes[id(p)] * dp if sizes else p.numel()
                  for p in model.parameters()}  # gathered over fsdp's ranks (tp's stay split)
         units = [sum(whole[id(p)] for p in block.parameters()) for block in blocks]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import Config
+from ..config import SHARDED, Config
 from ..ema import local_part
 from ..failures import ProjectError, RunFailure, UsageError, agree
 from ..optim import Optimization
@@ -40,7 +40,7 @@ class Checkpointer:
         self.ckpt_dir = (CheckpointDir(cfg.checkpoint_dir, cfg.keep_last, cfg.timeout_s)
                          if world.is_main else None)
         self.dcp = None
-        if cfg.model_layout in ("fsdp", "tensor_parallel"):  # DCP: imported where it is used
+        if cfg.model_layout in SHARDED:  # torch.distributed.checkpoint: imported where it is used
             from . import sharded
             self.dcp = sharded.ShardedCheckpoints(self.ckpt_dir, cfg.checkpoint_dir,
                                                   cfg.async_save, comm_device)
