@@ -192,13 +192,15 @@ def stopped_cleanly(job: subprocess.Popen, name: str, checkpoints: Path, last_st
     return stopped_at
 
 
-@pytest.mark.parametrize("how", ["SIGUSR1-to-workers", "SIGINT-to-all",
+@pytest.mark.parametrize("how", ["SIGUSR1-to-rank-1", "SIGINT-to-all",
                                  "SIGTERM-to-torchrun-data-workers"])
 def test_preemption_signal_saves_and_exits_cleanly(workdir, how):
-    """With data workers too: torchrun signals each training process's whole process group, so
-    the workers get the signal as well. They leave it to the training process (which needs them
-    for the batches up to its next log step, where it saves). SLURM's signal to every process of
-    the step, and the resume from the checkpoint a stop saves, bit for bit:
+    """With data workers too: torchrun signals each training process's whole process group, so the
+    workers get the signal as well. They leave it to the training process (which needs them for the
+    batches up to its next log step, where it saves). A signal to one rank alone stops every rank,
+    and rank 0 names it (signals reach ranks at different steps: each rank's goes into the log
+    step's all_reduce). SLURM's signal to every process of the step, and the resume from the
+    checkpoint a stop saves, bit for bit:
     test_per_sample_workers_with_random_augmentation_resume_bit_for_bit."""
     workers_flags = ["--num-workers", "2"] if how.endswith("data-workers") else []
     job = start_torchrun(workdir, "--log-every", "2", *workers_flags)
@@ -208,9 +210,8 @@ def test_preemption_signal_saves_and_exits_cleanly(workdir, how):
     name = how.split("-")[0]
     if how.startswith("SIGTERM-to-torchrun"):
         os.kill(job.pid, signal.SIGTERM)  # torchrun forwards it to its workers
-    elif how == "SIGUSR1-to-workers":
-        for pid in workers(job.pid).values():  # SLURM's --signal reaches every task
-            os.kill(pid, signal.SIGUSR1)
+    elif how == "SIGUSR1-to-rank-1":
+        os.kill(workers(job.pid)[1], signal.SIGUSR1)
     else:
         os.killpg(job.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole process group
     stopped_cleanly(job, name, workdir / "checkpoints", LAST_STEP)

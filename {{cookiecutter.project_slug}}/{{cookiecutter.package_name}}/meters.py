@@ -156,10 +156,9 @@ class Throughput:
 
 class LogStats:
     """One all_reduce for a log step, started without waiting: each logged value's sum over ranks
-    and batches and its count, whether any rank was asked to stop, and every rank's peak memory
-    and digest of its values' names (its own slots: a gather), which tells ranks that logged
-    other names. On a GPU (`queued`: NCCL) its copy to the host is queued too: `result()` waits
-    for the copy alone, not for the steps queued after it."""
+    and batches and its count, and every rank's stop signal, peak memory and digest of its values'
+    names (its own slots: a gather: ranks that logged other names are told). On a GPU (`queued`)
+    the copy to the host is queued too: `result()` waits for it, not for the steps after it."""
 
     def __init__(self, sums: dict[str, torch.Tensor], counts: dict[str, int], signum: int | None,
                  record: dict[str, Any], device: torch.device, comm_device: torch.device,
@@ -167,13 +166,13 @@ class LogStats:
         self.signum, self.record, self.names = signum, record, list(sums)
         rank, world, order = dist.get_rank(), dist.get_world_size(), sorted(sums)
         self.slot = {name: i for i, name in enumerate(order)}
-        # [sums, counts, stop, peak memory, digests]: filled where it lives, with no copy from
+        # [sums, counts, signals, peak memory, digests]: filled where it lives, with no copy from
         # host memory (one from pageable memory would make the host wait for the GPU).
-        stats = torch.zeros(2 * VALUES + 1 + 3 * world, device=comm_device)
+        stats = torch.zeros(2 * VALUES + 4 * world, device=comm_device)
         for i, name in enumerate(order[:VALUES]):
             stats[i], stats[VALUES + i] = sums[name], counts[name]
-        stats[2 * VALUES] = float(signum is not None)
-        stats[2 * VALUES + 1 + rank], stats[-2 * world + rank] = peak_memory_mb(device)
+        stats[2 * VALUES + rank] = signum or 0  # the signal each rank got: its name is shown
+        stats[2 * VALUES + world + rank], stats[-2 * world + rank] = peak_memory_mb(device)
         # the names' digest (24 bits: exact in float32), or -1: more values than slots
         stats[-world + rank] = (zlib.crc32("/".join(order).encode()) & 0xFFFFFF
                                 if len(order) <= VALUES else -1)
@@ -186,13 +185,15 @@ class LogStats:
             self.copied.record()
         self.stats = stats
 
-    def result(self) -> tuple[dict[str, float], bool, list[float], list[float]]:
+    def result(self) -> tuple[dict[str, float], int, list[float], list[float]]:
+        """The means, the stop signal (this rank's, else another's; 0: none), peak memory."""
         if self.copied is not None:
             self.copied.synchronize()
         else:
             self.work.wait()
         values, world, rank = self.stats.tolist(), dist.get_world_size(), dist.get_rank()
-        memory, digests = values[2 * VALUES + 1:-world], values[-world:]
+        signals, memory = values[2 * VALUES:2 * VALUES + world], values[2 * VALUES + world:-world]
+        digests = values[-world:]
         if min(digests) < 0:
             raise UsageError(f"a step returned more than {VALUES} values to log; log fewer",
                              everywhere=True)
@@ -203,7 +204,7 @@ class LogStats:
                              f"rank(s) {others} others; return the same names on every rank (0 "
                              "for a part a batch lacks)", everywhere=True)
         return ({n: values[self.slot[n]] / values[VALUES + self.slot[n]] for n in self.names},
-                values[2 * VALUES] > 0, [round(v, 1) for v in memory[:world]],
+                int(self.signum or max(signals)), [round(v, 1) for v in memory[:world]],
                 [round(v, 1) for v in memory[world:]])
 
 

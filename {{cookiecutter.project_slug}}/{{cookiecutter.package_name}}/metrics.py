@@ -190,16 +190,15 @@ class Metrics:
         if self._pending is None:
             return
         stats, self._pending = self._pending, None
-        means, stop, self.peak_mem_mb, self.peak_reserved_mb = stats.result()
-        record, signum = stats.record, stats.signum
+        means, signum, self.peak_mem_mb, self.peak_reserved_mb = stats.result()
+        record = stats.record
         for name, value in means.items():
             if not math.isfinite(value):
                 raise RunFailure(f"the {name} became {value} by step {record['step']}; "
                                  f"{self.newest_checkpoint()}; lower --lr, use --clip-grad, or "
                                  "check the data", everywhere=True)
-        if stop:  # some rank was asked to stop: every rank stops at the step that reads it
-            self.stopped_by = signal.Signals(signum).name if signum else "another rank's signal"
-            self.stop_signal = signum or signal.SIGTERM
+        if signum:  # some rank was asked to stop: every rank stops at the step that reads it
+            self.stopped_by, self.stop_signal = signal.Signals(signum).name, signum
         self.last_loss = means.get("loss", self.last_loss)
         record.update(**means, peak_mem_mb=self.peak_mem_mb)
         if self.device.type == "cuda":
