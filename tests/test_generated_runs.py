@@ -79,8 +79,8 @@ def test_minimal_install_names_the_package_a_tracker_needs(default_project, torc
 def test_minimal_install_names_numpy_for_fsdp(default_project, torch_venv):
     line = one_error(torch_venv.run(f"python train.py {SMALL} --model-layout fsdp --resume never",
                                     default_project))
-    assert "--model-layout fsdp saves checkpoints with torch.distributed.checkpoint, which needs " \
-           "numpy: pip install numpy" in line
+    assert "--model-layout fsdp needs numpy for its checkpoints (torch.distributed.checkpoint): " \
+           "pip install numpy" in line
 
 
 def test_minimal_install_names_s3fs_for_a_bucket(default_project, torch_venv):

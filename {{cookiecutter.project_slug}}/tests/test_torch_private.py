@@ -118,14 +118,15 @@ def test_ddps_reducer_exchanges_gradients_of_a_forward_around_it_or_one_error_li
 def test_fsdp_on_a_cpu_runs_or_one_error_line_naming_the_first_torch_with_it(monkeypatch):
     from torch.torch_version import TorchVersion
 
-    tp.fsdp_on(torch.device("meta"))  # (not a CPU: fsdp with NCCL on GPUs, from torch 2.6)
+    tp.fsdp_on(torch.device("meta"), "fsdp")  # (not a CPU: fsdp with NCCL on GPUs, from torch 2.6)
     if torch.__version__ >= "2.9":
-        tp.fsdp_on(torch.device("cpu"))
+        tp.fsdp_on(torch.device("cpu"), "fsdp")
         monkeypatch.setattr(torch, "__version__", TorchVersion("2.8.0+cu128"))
     found = re.escape(torch.__version__)
-    with pytest.raises(UsageError, match=f"--model-layout fsdp on a CPU needs .* which torch "
-                                         f"{found} lacks; install torch 2.9 or later"):
-        tp.fsdp_on(torch.device("cpu"))
+    for layout in ("fsdp", "tensor_parallel"):
+        with pytest.raises(UsageError, match=f"--model-layout {layout} on a CPU needs .* which "
+                                             f"torch {found} lacks; install torch 2.9 or later"):
+            tp.fsdp_on(torch.device("cpu"), layout)
 
 
 def test_a_stager_that_keeps_its_copy_or_none_where_torch_has_no_default_stager(monkeypatch):

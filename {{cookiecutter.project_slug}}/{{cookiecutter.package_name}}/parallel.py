@@ -172,9 +172,9 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if importlib.util.find_spec("numpy") is None:
-        raise UsageError("--model-layout fsdp saves checkpoints with torch.distributed.checkpoint, "
-                         "which needs numpy: pip install numpy", everywhere=True)
-    private.fsdp_on(device)
+        raise UsageError(f"--model-layout {cfg.model_layout} needs numpy for its checkpoints "
+                         "(torch.distributed.checkpoint): pip install numpy", everywhere=True)
+    private.fsdp_on(device, cfg.model_layout)
     model.to(device)
     for tensor in (*model.parameters(), *model.buffers()):  # rank 0's, as DDP's wrap does: a
         dist.broadcast(tensor.detach(), src=0)  # rank-seeded init would shard other models' parts

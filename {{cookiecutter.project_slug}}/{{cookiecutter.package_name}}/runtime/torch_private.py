@@ -108,12 +108,13 @@ def ddp_backward(ddp: nn.Module) -> Callable[[torch.Tensor], None]:
     return ready
 
 
-def fsdp_on(device: torch.device) -> None:
+def fsdp_on(device: torch.device, layout: str) -> None:
     """FSDP2 on a CPU (gloo) averages gradients over the ranks from torch 2.9: 2.7 and 2.8 sum
     them (plain SGD ends elsewhere than DDP; HSDP on 2.7: gloo has no ReduceOp.AVG), and 2.6's
     CPU streams lack record_event (pytorch#145935). A release check: one error line before 2.9."""
     if device.type == "cpu" and torch.__version__ < "2.9":
-        raise missing("--model-layout fsdp on a CPU", "FSDP2's gradients averaged over gloo", "2.9")
+        raise missing(f"--model-layout {layout} on a CPU", "FSDP2's gradients averaged over gloo",
+                      "2.9")
 
 
 def reusable_stager(device: torch.device) -> Any:
