@@ -19,15 +19,16 @@ import os
 # (2026-12-01); this kind read 16.0 and 17.9 s on 2026-12-04 (a larger reading: slower).
 CALIBRATION_S = 12.8
 INSTALL_S = 100  # .ci/run's apt and pip installs on a fresh machine
-BUDGET_S = {  # with INSTALL_S: 2,257 s, 157 s over the 2,100 s of 35 minutes (Ray, tensor_parallel)
+BUDGET_S = {  # with INSTALL_S: 2,307 s, 207 s over the 2,100 s of 35 minutes (Ray, tensor_parallel)
     "tests/test_generated_runs.py::test_the_projects_whole_suite_passes_in_the_venv": 850,
     "tests/test_generated_runs.py::test_other_tasks_and_answers_pass_their_tests": 200,
     # Ray: +47 s for Ctrl-C on the driver and the cluster killed mid-run (two runs to a save), 14
     # of it paid by checking the malformed addresses in the test's process; +35 s for Ctrl-C
     # with frozen workers (a run to a save, then the driver's 25 s bound).
     "tests/test_ray_bake.py": 210,
-    # tensor_parallel: its bake's 2 x 2 runs (a, a killed worker's, one process, fsdp resumed).
-    "tests/test_generated_runs.py::test_the_tensor_parallel_bake_passes_its_tests": 90,
+    # tensor_parallel: its bake's 2 x 2 runs (a, a killed worker's, one process, fsdp resumed);
+    # +50 s for a frozen peer and a host cut off (2 hosts x 2: the mesh's groups' timeouts).
+    "tests/test_generated_runs.py::test_the_tensor_parallel_bake_passes_its_tests": 140,
     "tests/test_generated_runs.py": 185,  # the venv, the README's commands, trackers, a minimal task
     "tests/test_fault_tolerance.py": 260,
     "tests/test_container.py": 105,

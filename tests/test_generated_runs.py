@@ -319,8 +319,8 @@ def test_other_tasks_and_answers_pass_their_tests(tmp_path, answers, baked_once)
 
 def test_the_tensor_parallel_bake_passes_its_tests(tmp_path):
     """model_layout=tensor_parallel (its module and tests only in this bake): 2 x 2 on 4 gloo
-    processes against one process, a SIGKILLed worker, a resume under fsdp; its docs' tables and
-    its flags as its config declares them."""
+    processes against one process, a SIGKILLed worker, a resume under fsdp, a frozen peer, a host
+    cut off (2 test hosts x 2); its docs' tables and its flags as its config declares them."""
     project = bake_to(tmp_path, task="language_model", model_layout="tensor_parallel")
     check_ok(run([PYTHON, "-m", "pytest", "-q", "--full", "-p", "no:cacheprovider",
                   "tests/test_tensor_parallel.py", "tests/test_docs.py", "tests/test_config.py"],

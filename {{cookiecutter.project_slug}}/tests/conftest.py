@@ -143,10 +143,9 @@ def summary(output_dir: Path) -> dict:
 def ckpt_name(step: int) -> str:
     """The name of step `step`'s checkpoint in this project's default layout."""
     from {{ cookiecutter.package_name }}.checkpoint.files import checkpoint_path
-    from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT
+    from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT, SHARDED
 
-    sharded = DEFAULT_MODEL_LAYOUT in ("fsdp", "tensor_parallel")  # DCP folders
-    return checkpoint_path("", step, sharded=sharded).name
+    return checkpoint_path("", step, sharded=DEFAULT_MODEL_LAYOUT in SHARDED).name  # DCP: folders
 
 
 def load_state(path: Path) -> dict:
@@ -198,6 +197,17 @@ def kill_a_worker_once_saved(cmd: list[str], cwd: Path, checkpoint_dir: Path, st
     workers = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()
     os.kill(int(workers[worker]), signal.SIGKILL)
     job.communicate(timeout=120)
+
+
+def workers(agent: int) -> dict[int, int]:
+    """rank -> pid of the worker processes torchrun started."""
+    found = {}
+    for task in Path(f"/proc/{agent}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                if item.startswith(b"RANK="):
+                    found[int(item[5:])] = int(pid)
+    return found
 
 
 def descendants(pid: int) -> list[int]:

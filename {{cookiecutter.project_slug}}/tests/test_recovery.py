@@ -30,10 +30,11 @@ from conftest import (
     summary,
     torchrun,
     torchrun_cmd,
+    workers,
 )
 
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta
-from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT
+from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT, SHARDED
 from {{ cookiecutter.package_name }}.runtime.environments import find_free_port
 
 pytestmark = [pytest.mark.recovery,
@@ -55,17 +56,6 @@ def start_torchrun(workdir: Path, *extra: str, restarts: int = 0,
         cmd[1:3] = ["-m", "{{ cookiecutter.package_name }}.runtime.workarounds", "torchrun"]
     return subprocess.Popen(cmd, cwd=workdir, env=child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def workers(agent: int) -> dict[int, int]:
-    """rank -> pid of the worker processes torchrun started."""
-    found = {}
-    for task in Path(f"/proc/{agent}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                if item.startswith(b"RANK="):
-                    found[int(item[5:])] = int(pid)
-    return found
 
 
 def wait_for_checkpoint(directory: Path, min_step: int, timeout: float = 120) -> None:
@@ -115,7 +105,7 @@ def test_torchrun_restarts_a_killed_worker_and_finishes(workdir, request):
     restarted workers resume from the newest checkpoint and end with the uninterrupted run's
     weights bit for bit. With DDP (fsdp has no comm hooks) both runs use PowerSGD, whose state
     the checkpoints must hold for that: check_powersgd_state."""
-    hook = [] if DEFAULT_MODEL_LAYOUT in ("fsdp", "tensor_parallel") else POWERSGD
+    hook = [] if DEFAULT_MODEL_LAYOUT in SHARDED else POWERSGD
     if hook:
         ok(torchrun([*FLAGS[1:], *hook, "--checkpoint-dir", "uninterrupted"], workdir))
         expected = final_model(workdir / "uninterrupted")

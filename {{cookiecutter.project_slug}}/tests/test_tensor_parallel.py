@@ -1,11 +1,17 @@
 """--model-layout tensor_parallel on 4 gloo processes (2 x 2): the same losses as one process with
 the same global batch, a SIGKILLed worker that resumes bit for bit, checkpoints that resume under
-fsdp, and the plan's mistakes as one error line. (Generated with model_layout=tensor_parallel.)"""
+fsdp, a frozen peer and a host that drops off ending every rank within --timeout-s, and the plan's
+mistakes as one error line. (Generated with model_layout=tensor_parallel.)"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +20,8 @@ from conftest import (
     PROJECT_ROOT,
     TRAIN,
     assert_same_model,
+    child_env,
+    descendants,
     final_model,
     kill_a_worker_once_saved,
     made_once,
@@ -26,6 +34,7 @@ from conftest import (
     summary,
     torchrun,
     torchrun_cmd,
+    workers,
 )
 
 from {{ cookiecutter.package_name }} import task
@@ -118,24 +127,78 @@ def test_its_checkpoints_resume_under_the_other_layouts_and_back(runs, tmp_path)
     task.build_model(parse_args(SMALL, task.Settings)).load_state_dict(exported["model"])
 
 
+@TRAINS
+def test_a_frozen_peer_of_a_tensor_parallel_group_is_named_within_the_timeout(tmp_path):
+    """Rank 3 frozen (SIGSTOP: a hung GPU, a stuck host) in a 2 x 2 run: the groups it shares (a
+    mesh's own, which torch makes with a 30-minute timeout) give up after --timeout-s, and the
+    error names it."""
+    job = subprocess.Popen([*torchrun_cmd(4), TRAIN, "--no-progress", *TP, "--epochs", "1000",
+                            "--timeout-s", "5", "--output-dir", "out"], cwd=tmp_path,
+                           env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        metrics = tmp_path / "out/metrics.jsonl"
+        while not metrics.is_file() or len(metrics.read_text().splitlines()) < 2:
+            assert job.poll() is None, job.communicate()
+            time.sleep(0.05)
+        os.kill(workers(job.pid)[3], signal.SIGSTOP)
+        stopped = time.monotonic()
+        error = next((line for line in job.stderr if line.startswith("error:")), "")
+        took = time.monotonic() - stopped
+    finally:
+        for pid in [job.pid, *descendants(job.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        job.communicate(timeout=60)
+    assert "rank(s) that stopped answering: 3 on " in error, error
+    assert took < 5 + 15, f"took {took:.1f} s to notice"
+
+
+@TRAINS
+@pytest.mark.network
+def test_a_host_that_drops_off_ends_every_process_of_both_hosts(hosts, tmp_path, bin_dir):
+    """2 hosts x 2 processes: tp within a host, dp across them (a mesh's own groups). Host 1's
+    link goes down after the first checkpoint: every process of both hosts ends within
+    --timeout-s and a margin; ranks 0 and 1 each name the ranks of the host they lost (each its
+    own dp peer's group failed), ranks 2 and 3 say they lost contact."""
+    from test_network import TIMEOUT_S, errors, finish, start_node, wait_for_checkpoint
+
+    args = [*TP, "--epochs", "1000"]
+    nodes = [start_node(host, rank, hosts[0], 29400, args, tmp_path, bin_dir, NPROC="2")
+             for rank, host in enumerate(hosts)]
+    wait_for_checkpoint(tmp_path / "ck", nodes)
+    hosts[1].link("down")
+    cut = time.monotonic()
+    while any(host.pids() for host in hosts):
+        assert time.monotonic() - cut < TIMEOUT_S + 15, [host.pids() for host in hosts]
+        time.sleep(0.2)
+    took = time.monotonic() - cut
+    (code0, out0), (code1, out1) = finish(nodes, 30)
+    assert code0 and code1
+    gone = f"rank(s) that stopped answering: 2 on vm ({hosts[1].address}), 3 on vm ("
+    assert len(errors(out0)) == 2 and all(gone in line for line in errors(out0)), out0  # each
+    assert len(errors(out1)) == 2 and all("lost contact" in line for line in errors(out1)), out1
+    print(f"host 1 cut off: every process of both hosts ended {took:.1f} s later")
+
+
 def test_a_task_without_a_plan_is_one_error_line(tmp_path):
-    """Or, before torch 2.9, the line that FSDP2 on a CPU needs it (runtime/torch_private.py)."""
+    """Before torch's own check: on a torch before 2.9, a run with the plan is that torch's line
+    (FSDP2 on a CPU, runtime/torch_private.py), and the plan's checks, in-process, pass."""
     source = (PROJECT_ROOT / "{{ cookiecutter.package_name }}/task.py").read_text()
     project = project_copy(tmp_path, source.replace("def tensor_parallel_plan", "def _no_plan"))
     result = run_cmd([sys.executable, str(project / "train.py"), "--no-progress", *TP,
                       "--tp-size", "1"], tmp_path, PYTHONPATH=str(project))
-    line = one_error(result)
+    assert "define tensor_parallel_plan(model, tp_size) in task.py" in one_error(result)
     if torch.__version__ < "2.9":
+        line = one_error(python_train([*TP, "--tp-size", "1"], tmp_path))
         assert "--model-layout tensor_parallel on a CPU needs FSDP2's gradients averaged over " \
                f"gloo, which torch {torch.__version__} lacks; install torch 2.9" in line, line
-    else:
-        assert "define tensor_parallel_plan(model, tp_size) in task.py" in line, line
 
 
 def test_a_plan_the_sizes_refuse_is_one_error_line():
     cfg = parse_args([*TP, "--num-heads", "2"], task.Settings)
     model = task.build_model(cfg)
-    assert task_plan(model, task, 2)["blocks.*.q"] == "colwise"
+    assert task_plan(model, task, 2)["blocks.1.q"] == "colwise"  # each layer, by name
     with pytest.raises(UsageError, match="--tp-size 4 must divide --num-heads 2"):
         task_plan(model, task, 4)
 

@@ -174,7 +174,6 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
     if importlib.util.find_spec("numpy") is None:
         raise UsageError(f"--model-layout {cfg.model_layout} needs numpy for its checkpoints "
                          "(torch.distributed.checkpoint): pip install numpy", everywhere=True)
-    private.fsdp_on(device, cfg.model_layout)
     model.to(device)
     for tensor in (*model.parameters(), *model.buffers()):  # rank 0's, as DDP's wrap does: a
         dist.broadcast(tensor.detach(), src=0)  # rank-seeded init would shard other models' parts
@@ -190,6 +189,9 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
             device.type, (replicas, shard), mesh_dim_names=("replicate", "shard")))
         if replicas > 1 and is_main:
             print(f"fsdp: {replicas} replica group(s) of {shard} rank(s) (HSDP)", flush=True)
+    private.fsdp_on(device, cfg.model_layout)  # once the flags of its mesh were checked
+    if dist.get_backend() != "nccl":  # the mesh's new groups: --timeout-s (NCCL's: at step 1)
+        private.set_group_timeout(cfg.timeout_s)
     kwargs: dict[str, Any] = {"mesh": mesh}
     if device.type == "cuda" and cfg.precision != "fp32":
         # Compute in bf16/fp16, reduce gradients in fp32 (autocast is not used with fsdp on CUDA).

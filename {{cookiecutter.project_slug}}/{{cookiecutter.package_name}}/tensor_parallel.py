@@ -37,21 +37,24 @@ def group_size(tp_size: int, world: int) -> int:
 
 
 def task_plan(model: nn.Module, task: Any, tp: int) -> dict[str, str]:
-    """task.tensor_parallel_plan(model, tp), checked: each entry names nn.Linear layers of the
-    model whose split sizes tp divides. One error line for a task without a plan, or a bad one."""
+    """task.tensor_parallel_plan(model, tp), checked and resolved: {each nn.Linear layer it names,
+    by name: its style}, whose split sizes tp divides (a layer two entries name: the first's).
+    One error line for a task without a plan, or a bad one."""
     if not hasattr(task, "tensor_parallel_plan"):
         raise UsageError("--model-layout tensor_parallel splits the layers task.py names, and it "
                          "names none: define tensor_parallel_plan(model, tp_size) in task.py "
                          "(docs/performance.md), or use --model-layout fsdp", everywhere=True)
-    plan = dict(task.tensor_parallel_plan(model, tp))
+    plan, layers = dict(task.tensor_parallel_plan(model, tp)), {}
     modules = dict(model.named_modules())
     for pattern, style in plan.items():
-        found = [m for name, m in modules.items() if fnmatch.fnmatchcase(name, pattern)]
-        if style not in STYLES or not found or not all(isinstance(m, nn.Linear) for m in found):
+        found = {name: m for name, m in modules.items() if fnmatch.fnmatchcase(name, pattern)}
+        if style not in STYLES or not found or not all(
+                isinstance(m, nn.Linear) for m in found.values()):
             raise UsageError(f"tensor_parallel_plan: '{pattern}': {style!r} must be 'colwise' or "
                              "'rowwise' for a path of nn.Linear layers of the model (e.g. "
                              "'blocks.*.mlp.0'); fix the plan in task.py", everywhere=True)
-        for m in found:
+        for name, m in found.items():
+            layers.setdefault(name, style)
             size = m.out_features if style == "colwise" else m.in_features
             if size % tp:
                 side = "outputs" if style == "colwise" else "inputs"
@@ -61,7 +64,7 @@ def task_plan(model: nn.Module, task: Any, tp: int) -> dict[str, str]:
     if not plan:
         raise UsageError("tensor_parallel_plan returned no layers; name at least one colwise and "
                          "one rowwise nn.Linear", everywhere=True)
-    return plan
+    return layers
 
 
 def mesh_and_plan(model: nn.Module, cfg: Config, device: torch.device, task: Any,
@@ -81,14 +84,17 @@ def mesh_and_plan(model: nn.Module, cfg: Config, device: torch.device, task: Any
         what = "--compile" if cfg.compile else "a train_step of one's own"
         raise UsageError(f"{what} is not yet supported with --model-layout tensor_parallel; "
                          "drop it or use --model-layout fsdp", everywhere=True)
-    plan = task_plan(model, task, tp)
+    layers = task_plan(model, task, tp)
     mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, mesh["tp"], {path: styles[s]() for path, s in plan.items()})
+    # Layer by layer: torch 2.6's {path: style} also gives a style to an upper module named as a
+    # later part of the path (block "0" for "blocks.*.mlp.0"); later releases fixed it.
+    for name, style in layers.items():
+        parallelize_module(model.get_submodule(name), mesh["tp"], styles[style]())
     gather_batches(model, mesh["tp"].get_group(), tp, mesh["tp"].get_local_rank())
     if is_main:
         print(f"tensor_parallel: {world // tp} data-parallel group(s) of {tp} rank(s); "
-              f"{len(plan)} plan entries split", flush=True)
+              f"{len(layers)} layers split", flush=True)
     return mesh["dp"]
 
 
@@ -184,9 +190,9 @@ def elements_on_rank(model: nn.Module, task: Any, tp_size: int,
     from .parallel import rows_on_rank
 
     tp = group_size(tp_size, world)
-    plan, out = task_plan(model, task, tp), {}
+    layers, out = task_plan(model, task, tp), {}
     for name, module in model.named_modules():
-        style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(name, pattern)), "")
+        style = layers.get(name, "")
         for key, p in module.named_parameters(recurse=False):
             shape = list(p.shape)
             if style == "colwise" or (style == "rowwise" and key == "weight"):

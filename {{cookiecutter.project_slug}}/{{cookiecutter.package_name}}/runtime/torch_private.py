@@ -31,13 +31,16 @@ def note(what: str) -> bool:
 
 
 def set_group_timeout(timeout_s: float) -> None:
-    """The default group's timeout changed after start-up (NCCL: long for start-up and the first
-    step, then --timeout-s): distributed_c10d._set_pg_timeout, PyTorch's only way (#115453).
-    Missing: a note; the start-up timeout stays (a stalled rank is noticed later)."""
-    if hasattr(dist.distributed_c10d, "_set_pg_timeout"):
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+    """Every group's timeout changed once made: the default group's (NCCL: long for start-up and
+    the first step, then --timeout-s) and a 2-D mesh's (torch's default: 30 minutes; NCCL: 10):
+    distributed_c10d._set_pg_timeout over _world.pg_map, PyTorch's only way (#115453). Missing: a
+    note; those timeouts stay (a hang is noticed later)."""
+    c10d = dist.distributed_c10d
+    if hasattr(c10d, "_set_pg_timeout") and hasattr(getattr(c10d, "_world", None), "pg_map"):
+        for group in list(c10d._world.pg_map):
+            c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
     else:
-        note("distributed_c10d._set_pg_timeout: the start-up timeout stays")
+        note("distributed_c10d._set_pg_timeout: the groups' first timeouts stay")
 
 
 def default_store(launcher: str) -> dist.Store:
