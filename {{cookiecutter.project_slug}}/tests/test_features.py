@@ -34,7 +34,12 @@ from conftest import (
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from {{ cookiecutter.package_name }} import task
-from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT, parse_args, unused_settings
+from {{ cookiecutter.package_name }}.config import (
+    DEFAULT_MODEL_LAYOUT,
+    SHARDED,
+    parse_args,
+    unused_settings,
+)
 from {{ cookiecutter.package_name }}.data import BatchFetcher, validation_batches
 from {{ cookiecutter.package_name }}.doctor import main as doctor_main
 from {{ cookiecutter.package_name }}.main import work
@@ -105,7 +110,7 @@ def test_grad_accumulation_exchanges_gradients_once_per_group(tmp_path, monkeypa
 # 111 validation samples: odd, where DistributedSampler would pad with a duplicate. 16 steps an
 # epoch (1,000 training samples, 2 ranks, batches of 32), 32 in all.
 EVAL_SET = [*SMALL, "--dataset-size", "1000", "--val-fraction", "0.111", "--epochs", "2"]
-DDP_OPTIONS = [] if DEFAULT_MODEL_LAYOUT in ("fsdp", "tensor_parallel") else [
+DDP_OPTIONS = [] if DEFAULT_MODEL_LAYOUT in SHARDED else [
     "--bucket-cap-mb", "0.002", "--static-graph", "--no-gradient-as-bucket-view"]
 POWERSGD = ["--comm-hook", "powersgd", "--powersgd-warmup-steps", "4", "--powersgd-rank", "4",
             "--bucket-cap-mb", "0.002"]
@@ -146,7 +151,7 @@ def powersgd_run(tmp_path_factory) -> Path:
                      lambda f: train_in(f, "powersgd", *POWERSGD))
 
 
-@pytest.mark.skipif(DEFAULT_MODEL_LAYOUT in ("fsdp", "tensor_parallel"),
+@pytest.mark.skipif(DEFAULT_MODEL_LAYOUT in SHARDED,
                     reason=f"{DEFAULT_MODEL_LAYOUT} does not use DDP")
 def test_ddp_options_give_the_default_result_and_hooks_stay_close(default_run, options_run,
                                                                   powersgd_run):
@@ -171,7 +176,7 @@ def test_ddp_options_give_the_default_result_and_hooks_stay_close(default_run, o
         assert loss == pytest.approx(default_loss, rel=tolerance), hook
 
 
-@pytest.mark.skipif(DEFAULT_MODEL_LAYOUT in ("fsdp", "tensor_parallel"),
+@pytest.mark.skipif(DEFAULT_MODEL_LAYOUT in SHARDED,
                     reason=f"{DEFAULT_MODEL_LAYOUT} does not use DDP")
 def test_powersgd_resumes_with_other_buckets_or_another_rank(powersgd_run, tmp_path):
     """Resumed with bigger buckets (the saved ones merge) or another --powersgd-rank (the

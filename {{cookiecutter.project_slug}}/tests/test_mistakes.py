@@ -39,7 +39,7 @@ from conftest import (
 )
 
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints, read_meta, unreadable
-from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT
+from {{ cookiecutter.package_name }}.config import DEFAULT_MODEL_LAYOUT, SHARDED
 from {{ cookiecutter.package_name }}.doctor import main as doctor
 from {{ cookiecutter.package_name }}.main import main
 
@@ -61,7 +61,7 @@ class Case:
 
 # A checkpoint of another model's shapes: a file's load names the mismatch, DCP's (fsdp,
 # tensor_parallel) the first tensor whose size differs.
-OTHER_MODEL = ("does not fit the model: " if DEFAULT_MODEL_LAYOUT not in ("fsdp", "tensor_parallel")
+OTHER_MODEL = ("does not fit the model: " if DEFAULT_MODEL_LAYOUT not in SHARDED
                else "Size mismatch between saved")
 CASES = {
     # Flags whose values cannot work: exit 2 before anything starts.

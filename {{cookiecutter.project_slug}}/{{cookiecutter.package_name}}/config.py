@@ -4,8 +4,7 @@ Each is declared once, with `setting` (settings.py builds its --flag and --confi
 the task's own are task.py's `Settings`, declared the same way. A default is the first argument of
 its `setting(...)` (the template's answers are the DEFAULT_ constants below): edit it to change
 the default, or pass the flag to override it for a run. Every value is checked before any work
-starts: a bad one is one `error:` line and exit 2.
-"""
+starts: a bad one is one `error:` line and exit 2."""
 from __future__ import annotations
 
 import argparse

@@ -2,8 +2,7 @@
 join the process group), assemble the parts, train.
 
 Works under every launcher (see the README); with `--nprocs N` and no launcher it starts N
-processes itself with `torch.multiprocessing`.
-"""
+processes itself with `torch.multiprocessing`."""
 
 from __future__ import annotations
 
@@ -87,8 +86,7 @@ def prepare(cfg: Config) -> None:
 
 
 def load_datasets(cfg: Config) -> tuple[Any, Any]:
-    """task.build_datasets: (training set, validation set or None); an empty training set is
-    refused."""
+    """task.build_datasets: (training set, validation set or None); an empty one is refused."""
     train_set, val_set = task.build_datasets(cfg)
     if len(train_set) == 0:
         raise UsageError("task.build_datasets returned an empty training set", everywhere=True)

@@ -3,8 +3,7 @@
 The loop calls `task.train_step(step, batch)` once per batch when task.py defines one, else
 `plain_step(task.loss_fn)` below (docs/custom-step.md). A run's step is one accumulation group:
 `backward` weights a batch's loss by its share of the group's samples; gradients are exchanged
-and `update` steps at the group's last batch only; then the fp16 scale and the EMA update once.
-"""
+and `update` steps at the group's last batch only; then the fp16 scale and the EMA update once."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ class Step:
     cfg         the run's Config
     number      the optimizer steps taken before this one (the first step is 0)
     autocast()  around forward passes: --precision's autocast (nothing in fp32)
-    and backward(loss) and update(name), below.
-    """
+    and backward(loss) and update(name), below."""
 
     def __init__(self, model: nn.Module, module: nn.Module, optim: Optimization,
                  cfg: Config) -> None:

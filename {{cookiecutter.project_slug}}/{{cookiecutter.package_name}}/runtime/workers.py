@@ -63,7 +63,6 @@ def worker_context() -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return None
     multiprocessing.set_forkserver_preload(["torch"])  # workers start with torch imported
-    context = multiprocessing.get_context("forkserver")
     # The server inherits the blocked stop signals across its exec, and its workers from it: a
     # SIGTERM that reaches it before a worker's worker_init runs is held too. Here they wait
     # only for as long as the server takes to start, then are delivered. The resource tracker
@@ -75,4 +74,4 @@ def worker_context() -> Any:
             server.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    return context
+    return multiprocessing.get_context("forkserver")

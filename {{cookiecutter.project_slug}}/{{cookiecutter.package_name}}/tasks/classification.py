@@ -293,7 +293,6 @@ def predict(model: nn.Module, inputs: list[str], cfg: Config) -> list[str]:
     """Image files -> the most likely class of each (scripts/predict.py)."""
     names = class_names(cfg.data) if cfg.data and Path(cfg.data).is_dir() else None
     images = torch.stack([model_input(read_image(Path(path))) for path in inputs])
-    probabilities = model(images).float().softmax(-1)
-    best, labels = probabilities.max(-1)
+    best, labels = model(images).float().softmax(-1).max(-1)
     return [f"{path}: {names[k] if names else f'class {k}'} ({p:.2f})"
             for path, k, p in zip(inputs, labels.tolist(), best.tolist(), strict=True)]
