@@ -28,7 +28,7 @@ def group(monkeypatch):
 
 def test_every_groups_timeout_changes_or_a_note_says_it_stays(group, monkeypatch, capsys):
     """A mesh's group, made with torch's 30 minutes, gets --timeout-s too (HSDP's and
-    tensor_parallel's: a frozen peer of a 2 x 2 run, in the tensor_parallel bake's tests)."""
+    tensor_parallel's: a host cut off from a 2 x 2 run, in the tensor_parallel bake's tests)."""
     mesh = dist.new_group([0])._get_backend(torch.device("cpu"))
     assert mesh.options._timeout.total_seconds() == 30 * 60
     tp.set_group_timeout(7)
