@@ -20,7 +20,8 @@ UNUSED = {
     "github_actions": [".github"],
 }
 # Files of fault_tolerance=torchft: deleted with `none`, which then bakes no trace of torchft.
-TORCHFT = ["train_ft.py", "train.torchft.py", "{package}/fault_tolerance.py", "scripts/train_ft.sh",
+TORCHFT = ["train_ft.py", "train.torchft.py", "{package}/fault_tolerance.py",
+           "{package}/replica_groups.py", "scripts/train_ft.sh",
            "scripts/bench_ft.py", "scripts/slurm/ft.sbatch", "tests/test_fault_tolerance.py",
            "docs/fault-tolerance.md"]
 # Files of launcher=ray: deleted with the other launchers, which then bake no trace of Ray.
@@ -46,6 +47,8 @@ def main() -> None:
     remove(package / "tasks")
     if task != "language_model":  # its loss's chunked cross-entropy
         remove(package / "cross_entropy.py")
+    if task != "classification":  # its image files' reading
+        remove(package / "images.py")
     remove(root / "tests" / "tasks")
     presets = {"example.toml"} | ({"gpt2-small.toml"} if task == "language_model" else set())
     for path in (root / "configs").glob("*.toml"):

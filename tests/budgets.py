@@ -1,6 +1,6 @@
 """What each part of the template's suite may take on CI's machine (2 cores), in seconds. The
-parts add up to the 35 minutes `.ci/run` keeps to (with its install), so that a slow day (up to
-2.5x) still ends within CI's 90. A feature's tests pay for their time inside its part's budget: a
+parts add up to less than the 45 minutes `.ci/run` keeps to (with its install), so that a slow day
+(up to 2x) still ends within CI's 90. A feature's tests pay for their time inside its part's budget: a
 part over it is named in the table every run ends with, for the next change to see what it costs.
 
 A part is a test file, or a test (a node id, parameters left off) that runs a generated project's
@@ -19,7 +19,7 @@ import os
 # (2026-12-01); this kind read 16.0 and 17.9 s on 2026-12-04 (a larger reading: slower).
 CALIBRATION_S = 12.8
 INSTALL_S = 100  # .ci/run's apt and pip installs on a fresh machine
-BUDGET_S = {  # with INSTALL_S: 2,307 s, 207 s over the 2,100 s of 35 minutes (Ray, tensor_parallel)
+BUDGET_S = {  # with INSTALL_S: 2,522 s, within the 2,700 s of 45 minutes
     "tests/test_generated_runs.py::test_the_projects_whole_suite_passes_in_the_venv": 850,
     "tests/test_generated_runs.py::test_other_tasks_and_answers_pass_their_tests": 200,
     # Ray: +47 s for Ctrl-C on the driver and the cluster killed mid-run (two runs to a save), 14
@@ -28,7 +28,10 @@ BUDGET_S = {  # with INSTALL_S: 2,307 s, 207 s over the 2,100 s of 35 minutes (R
     "tests/test_ray_bake.py": 210,
     # tensor_parallel: its bake's 2 x 2 runs (a, a killed worker's, one process, fsdp resumed);
     # +50 s for a frozen peer and a host cut off (2 hosts x 2: the mesh's groups' timeouts).
-    "tests/test_generated_runs.py::test_the_tensor_parallel_bake_passes_its_tests": 140,
+    # +30 s for the run's refusals (--compile, a step of one's own, a colwise output layer).
+    "tests/test_generated_runs.py::test_the_tensor_parallel_bake_passes_its_tests": 170,
+    # Every task x model_layout's quickstart, one short epoch each (12 bakes, 2 processes).
+    "tests/test_every_layout_trains.py": 160,
     "tests/test_generated_runs.py": 185,  # the venv, the README's commands, trackers, a minimal task
     "tests/test_fault_tolerance.py": 260,
     "tests/test_container.py": 105,
@@ -36,7 +39,7 @@ BUDGET_S = {  # with INSTALL_S: 2,307 s, 207 s over the 2,100 s of 35 minutes (R
     "tests/test_docs_pointers.py": 42,
     "tests/test_bench.py": 55,
     "tests/test_slurm_cluster.py": 55,
-    "tests/test_bake.py": 20,
+    "tests/test_bake.py": 45,  # +25 s: the size rules read six bakes, not the default alone
     "tests/test_hooks.py": 6,
     "tests/test_cruft.py": 6,
     "tests/test_workflow.py": 2,

@@ -118,6 +118,8 @@ def expected_files(package: str, answers: dict) -> set[str]:
         "rendezvous", "torch_private", "trackers", "workarounds", "workers")}
     if answers.get("task") == "language_model":
         files |= {"configs/gpt2-small.toml", f"{package}/cross_entropy.py"}
+    if answers.get("task", "classification") == "classification":
+        files.add(f"{package}/images.py")
     if answers.get("model_layout") == "tensor_parallel":
         files |= {f"{package}/tensor_parallel.py", "tests/test_tensor_parallel.py"}
     if answers.get("slurm", True):
@@ -133,7 +135,8 @@ def expected_files(package: str, answers: dict) -> set[str]:
     if answers.get("launcher") == "ray":
         files |= {"scripts/train_ray.py", f"{package}/runtime/ray_train.py", "tests/test_ray.py"}
     if answers.get("fault_tolerance", "none") == "torchft":
-        files |= {"train_ft.py", f"{package}/fault_tolerance.py", "scripts/train_ft.sh", "scripts/bench_ft.py",
+        files |= {"train_ft.py", f"{package}/fault_tolerance.py", f"{package}/replica_groups.py",
+                  "scripts/train_ft.sh", "scripts/bench_ft.py",
                   "tests/test_fault_tolerance.py", "docs/fault-tolerance.md"}
         if answers.get("slurm", True):
             files.add("scripts/slurm/ft.sbatch")

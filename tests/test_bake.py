@@ -172,19 +172,26 @@ def _intra_package_imports(module: str, tree: ast.AST, modules: set[str]) -> set
     return found
 
 
-def test_default_package_stays_within_its_budgets(bake):
-    """Issue 39's budgets: no module over 300 lines, no function over 60, no import circle; the
-    package under 7,700 lines (7,100 before shard sets; the 7,800 allowed for issue 65's module of
-    private torch APIs was paid back by simplifying: 7,761 lines then, 7,685 now), and the modules
-    a user reads under 2,200."""
-    package = bake() / "ddp_project"
+# The bakes whose packages differ: each optional module, and each task.py.
+SIZED_BAKES = [{}, {"launcher": "ray"}, {"fault_tolerance": "torchft"},
+               {"model_layout": "tensor_parallel", "task": "language_model"},
+               {"task": "regression"}, {"task": "language_model"}]
+
+
+@pytest.mark.parametrize("answers", SIZED_BAKES, ids=answers_id)
+def test_every_bake_stays_within_the_size_rules(bake, answers):
+    """Issue 39's rules, in every bake with modules of its own (Ray's, torchft's, tensor_parallel's)
+    and with each task.py: no module over 300 lines, no function over 60, no import circle, and the
+    modules a user reads (task, loop, main, optim, evaluation, config, settings, data, step) under
+    2,200 lines. The package's total has no ceiling (dropped): these rules keep each part
+    readable however many parts a bake has."""
+    package = bake(**answers) / "ddp_project"
     trees, sizes = {}, {}
     for path in sorted(package.rglob("*.py")):
         name = ".".join(("ddp_project",) + path.relative_to(package).with_suffix("").parts)
         text = path.read_text()
         sizes[name], trees[name] = len(text.splitlines()), ast.parse(text)
     assert {n: s for n, s in sizes.items() if s > 300} == {}
-    assert sum(sizes.values()) < 7700
     read = ("task", "loop", "main", "optim", "evaluation", "config", "settings", "data", "step")
     assert sum(sizes[f"ddp_project.{name}"] for name in read) < 2200
     long_functions = [f"{name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"

@@ -320,8 +320,17 @@ def test_other_tasks_and_answers_pass_their_tests(tmp_path, answers, baked_once)
 def test_the_tensor_parallel_bake_passes_its_tests(tmp_path):
     """model_layout=tensor_parallel (its module and tests only in this bake): 2 x 2 on 4 gloo
     processes against one process, a SIGKILLed worker, a resume under fsdp, a frozen peer, a host
-    cut off (2 test hosts x 2); its docs' tables and its flags as its config declares them."""
+    cut off (2 test hosts x 2), the plan's and the run's refusals; its docs' tables and its flags
+    as its config declares them. Every test of its file runs: none may skip unseen."""
     project = bake_to(tmp_path, task="language_model", model_layout="tensor_parallel")
-    check_ok(run([PYTHON, "-m", "pytest", "-q", "--full", "-p", "no:cacheprovider",
-                  "tests/test_tensor_parallel.py", "tests/test_docs.py", "tests/test_config.py"],
-                 project, timeout=600))
+    result = check_ok(run([PYTHON, "-m", "pytest", "-q", "-rs", "--full", "-p", "no:cacheprovider",
+                           "tests/test_tensor_parallel.py", "tests/test_docs.py",
+                           "tests/test_config.py"], project, timeout=600))
+    skipped = [line for line in result.stdout.splitlines()
+               if line.startswith("SKIPPED") and "test_tensor_parallel.py" in line]
+    assert skipped == [], skipped
+    collected = check_ok(run([PYTHON, "-m", "pytest", "-q", "--co", "--full", "-p",
+                              "no:cacheprovider", "tests/test_tensor_parallel.py"], project))
+    tests = int(re.search(r"(\d+) tests? collected", collected.stdout).group(1))
+    passed = int(re.search(r"(\d+) passed", result.stdout).group(1))
+    assert tests >= 20 and passed >= tests, (tests, passed, result.stdout[-2000:])

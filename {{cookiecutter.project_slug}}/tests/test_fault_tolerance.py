@@ -30,7 +30,7 @@ from conftest import (
 
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints
 from {{ cookiecutter.package_name }}.failures import UsageError
-from {{ cookiecutter.package_name }}.fault_tolerance import Replicas
+from {{ cookiecutter.package_name }}.replica_groups import Replicas
 from {{ cookiecutter.package_name }}.runtime.environments import World, find_free_port
 
 TRAIN = str(PROJECT_ROOT / "train.py")
@@ -86,7 +86,7 @@ def test_torch_26_is_one_line_naming_torchfts_floor(monkeypatch):
     """torchft 0.2 requires torch 2.7: on 2.6 (here pretended), one line before any work."""
     from torch.torch_version import TorchVersion
 
-    from {{ cookiecutter.package_name }}.fault_tolerance import start_manager
+    from {{ cookiecutter.package_name }}.replica_groups import start_manager
 
     monkeypatch.setattr(torch, "__version__", TorchVersion("2.6.0+cu124"))
     with pytest.raises(UsageError, match=r"torchft needs torch 2.7 or later .* not torch 2.6.0"):

@@ -119,7 +119,9 @@ def test_ddps_reducer_exchanges_gradients_of_a_forward_around_it_or_one_error_li
         tp.ddp_backward(ddp)
 
 
-def test_fsdp_on_a_cpu_runs_or_one_error_line_naming_the_first_torch_with_it(monkeypatch):
+def test_a_sharded_layout_on_a_cpu_runs_or_one_error_line_naming_the_first_torch(monkeypatch):
+    """Named without "fsdp": conftest skips such tests on the releases before 2.9, where this one
+    checks the refusal."""
     from torch.torch_version import TorchVersion
 
     tp.fsdp_on(torch.device("meta"), "fsdp")  # (not a CPU: fsdp with NCCL on GPUs, from torch 2.6)

@@ -34,8 +34,10 @@ DEFAULT_INIT_METHOD = "{{ cookiecutter.init_method }}"
 DEFAULT_MODEL_LAYOUT = "{{ cookiecutter.model_layout }}"
 DEFAULT_TRACKER = "{{ cookiecutter.tracker }}"
 
-LAYOUTS = ["data_parallel", "model_parallel_2", "fsdp"] + (  # tensor_parallel where generated
-    ["tensor_parallel"] if (Path(__file__).parent / "tensor_parallel.py").exists() else [])
+# model_layout=tensor_parallel bakes its module, its layout and tp_size; other answers none.
+TENSOR_PARALLEL = (Path(__file__).parent / "tensor_parallel.py").exists()
+LAYOUTS = ["data_parallel", "model_parallel_2", "fsdp"] + (
+    ["tensor_parallel"] if TENSOR_PARALLEL else [])
 SHARDED = ("fsdp", "tensor_parallel")  # FSDP2's layouts: DCP checkpoints, no DDP
 COMM_HOOKS = ["none", "bf16", "fp16", "powersgd"]
 TRACKERS = ["none", "tensorboard", "wandb", "mlflow"]
@@ -120,15 +122,18 @@ class Config:
                             "CPU)")
     model_layout: str = setting(DEFAULT_MODEL_LAYOUT, "one device per process (DDP), the model "
                                 "split over two devices per process, parameters sharded across "
-                                "ranks (FSDP2), or also split (tensor_parallel)", choices=LAYOUTS)
+                                "ranks (FSDP2)" + (", or also split (tensor_parallel)"
+                                                   if TENSOR_PARALLEL else ""), choices=LAYOUTS)
     stage_devices: list[str] = setting([], "model_parallel_2: the two devices of this process, "
                                        "e.g. cuda:0,cuda:1", type=device_pair, metavar="DEV0,DEV1")
     shard_group_size: int = setting(0, "fsdp: shard the model over groups of N ranks and "
                                     "replicate it across the groups (HSDP); 0 = one node's ranks "
                                     "when the job spans several nodes, else all ranks (plain "
                                     "fsdp)", low=0, metavar="N")
-    tp_size: int = setting(2, "tensor_parallel: ranks that split each layer of task.py's plan, "
-                           "consecutive (keep them in a node; one process: 1)", low=1, metavar="N")
+    if TENSOR_PARALLEL:
+        tp_size: int = setting(2, "tensor_parallel: ranks that split each layer of task.py's "
+                               "plan, consecutive (keep them in a node; one process: 1)", low=1,
+                               metavar="N")
 
     backend: str = setting(DEFAULT_BACKEND, "auto = nccl when CUDA GPUs are visible, else gloo",
                            choices=["auto", "nccl", "gloo"])

@@ -84,7 +84,7 @@ def checkpoint_blocks(blocks: list[nn.Module], compiled: bool = False) -> None:
     DDP's and FSDP's hooks. Eager, a BatchNorm's running statistics are put back after the
     second forward (compiled, the second forward updates nothing: compiled_recompute)."""
     for block in blocks:
-        norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        norms = private.batch_norms(block)
         if norms and compiled:
             private.compiled_recompute()
         contexts = {"context_fn": functools.partial(_kept_stats, norms)} if (

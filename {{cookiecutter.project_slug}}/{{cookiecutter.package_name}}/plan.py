@@ -48,8 +48,10 @@ def static_memory(cfg: Config, layout: str, world: int,
     shards = shard_group_size(cfg.shard_group_size, world, per_node) if layout == "fsdp" else 1
     sizes, dp = {}, world  # tensor_parallel: each parameter's elements on a rank; fsdp's ranks
     if layout == "tensor_parallel":
-        from .tensor_parallel import elements_on_rank
-        sizes, dp = elements_on_rank(model, task, cfg.tp_size, world)
+        from .tensor_parallel import shapes_on_rank
+        shapes, dp = shapes_on_rank(model, task, cfg, world)  # then FSDP2 over dp, as fsdp
+        sizes = {key: rows_on_rank(torch.empty(shape, device="meta"), dp)
+                 for key, shape in shapes.items()}
     second = second_stage(model, blocks) if layout == "model_parallel_2" else set()
     owner = {id(t): int(m in second) for m in model.modules()
              for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}

@@ -38,33 +38,91 @@ def group_size(tp_size: int, world: int) -> int:
 
 def task_plan(model: nn.Module, task: Any, tp: int) -> dict[str, str]:
     """task.tensor_parallel_plan(model, tp), checked and resolved: {each nn.Linear layer it names,
-    by name: its style}, whose split sizes tp divides (a layer two entries name: the first's).
-    One error line for a task without a plan, or a bad one."""
+    by name, in the model's order: its style}, whose split sizes tp divides (a layer two entries
+    name: the first's). One error line for a task without a plan, or a plan that would not train
+    the model it names: a layer no entry reaches, a colwise layer no rowwise one follows."""
     if not hasattr(task, "tensor_parallel_plan"):
         raise UsageError("--model-layout tensor_parallel splits the layers task.py names, and it "
                          "names none: define tensor_parallel_plan(model, tp_size) in task.py "
                          "(docs/performance.md), or use --model-layout fsdp", everywhere=True)
-    plan, layers = dict(task.tensor_parallel_plan(model, tp)), {}
+    plan = task.tensor_parallel_plan(model, tp)
+    if not isinstance(plan, dict) or not plan:
+        raise UsageError(f"tensor_parallel_plan returned {plan!r:.60}: return a dict "
+                         "{module path: 'colwise' or 'rowwise'}, at least one colwise nn.Linear "
+                         "and the rowwise one after it (docs/performance.md)", everywhere=True)
     modules = dict(model.named_modules())
+    found: dict[str, str] = {}
     for pattern, style in plan.items():
-        found = {name: m for name, m in modules.items() if fnmatch.fnmatchcase(name, pattern)}
-        if style not in STYLES or not found or not all(
-                isinstance(m, nn.Linear) for m in found.values()):
-            raise UsageError(f"tensor_parallel_plan: '{pattern}': {style!r} must be 'colwise' or "
-                             "'rowwise' for a path of nn.Linear layers of the model (e.g. "
-                             "'blocks.*.mlp.0'); fix the plan in task.py", everywhere=True)
-        for name, m in found.items():
-            layers.setdefault(name, style)
-            size = m.out_features if style == "colwise" else m.in_features
-            if size % tp:
-                side = "outputs" if style == "colwise" else "inputs"
-                raise UsageError(f"tensor_parallel_plan: '{pattern}' has {size} {side}, which "
-                                 f"--tp-size {tp} does not divide; give a --tp-size that divides "
-                                 "it, or change the model's sizes", everywhere=True)
-    if not plan:
-        raise UsageError("tensor_parallel_plan returned no layers; name at least one colwise and "
-                         "one rowwise nn.Linear", everywhere=True)
+        for name in plan_entry(pattern, style, modules):
+            found.setdefault(name, style)
+    layers = {name: found[name] for name in modules if name in found}  # the model's order
+    check_pairs(layers, modules)
+    for name, style in layers.items():
+        size = modules[name].out_features if style == "colwise" else modules[name].in_features
+        if size % tp:
+            side = "outputs" if style == "colwise" else "inputs"
+            raise UsageError(f"tensor_parallel_plan: '{name}' has {size} {side}, which "
+                             f"--tp-size {tp} does not divide; give a --tp-size that divides "
+                             "it, or change the model's sizes", everywhere=True)
     return layers
+
+
+def plan_entry(pattern: Any, style: Any, modules: dict[str, nn.Module]) -> list[str]:
+    """The nn.Linear layers one entry of the plan names ('*' stands for any part of a path)."""
+    linear = [name for name, m in modules.items() if isinstance(m, nn.Linear)]
+    example = f" (e.g. '{linear[0]}')" if linear else ""
+    if style not in STYLES:
+        raise UsageError(f"tensor_parallel_plan: '{pattern}': {style!r} is not a style; write "
+                         "'colwise' or 'rowwise' in task.py's plan", everywhere=True)
+    names = [name for name in modules
+             if isinstance(pattern, str) and fnmatch.fnmatchcase(name, pattern)]
+    if not names:
+        raise UsageError(f"tensor_parallel_plan: '{pattern}' names no module of the model; write "
+                         f"paths as model.named_modules() gives them{example}", everywhere=True)
+    for name in names:
+        if not isinstance(modules[name], nn.Linear):
+            inner = [n for n in linear if n.startswith(f"{name}.")][:1]
+            hint = f" (e.g. '{inner[0]}')" if inner else example
+            raise UsageError(f"tensor_parallel_plan: '{name}' is a "
+                             f"{type(modules[name]).__name__}, and only nn.Linear layers split; "
+                             f"name the linear layers themselves{hint}", everywhere=True)
+    return names
+
+
+def check_pairs(layers: dict[str, str], modules: dict[str, nn.Module]) -> None:
+    """In the model's order, each run of colwise layers is followed by the rowwise layer that
+    takes their split outputs: a colwise layer alone leaves each rank 1/tp of its outputs (a
+    loss on part of the logits), a rowwise one alone gets whole inputs where it wants parts."""
+    open_group: list[str] = []
+    for name, style in layers.items():
+        if style == "colwise":
+            open_group.append(name)
+            continue
+        if not open_group:
+            raise UsageError(f"tensor_parallel_plan: '{name}' is rowwise with no colwise layer "
+                             "before it (in the model's order): a rowwise layer takes the split "
+                             "outputs of the colwise layers before it; make the layer before it "
+                             f"colwise, or leave '{name}' out", everywhere=True)
+        inputs, outputs = modules[name].in_features, [modules[c].out_features for c in open_group]
+        if inputs not in outputs:
+            raise UsageError(f"tensor_parallel_plan: '{name}' is rowwise with {inputs} inputs, "
+                             f"but the colwise layers before it ({', '.join(open_group)}) give "
+                             f"{', '.join(map(str, outputs))} outputs: pair each colwise layer "
+                             "with the rowwise layer that takes its outputs", everywhere=True)
+        open_group = []
+    if open_group:
+        raise UsageError(f"tensor_parallel_plan: '{open_group[-1]}' is colwise and no rowwise "
+                         "layer after it takes its outputs: each rank would keep 1/tp of them "
+                         "(the loss would see part of the logits); name the rowwise layer that "
+                         "follows it, or leave it out", everywhere=True)
+
+
+def refuse_unsupported(cfg: Config, task: Any) -> None:
+    """What the layout does not do yet: the run and doctor --plan stop on it alike."""
+    if cfg.compile or hasattr(task, "train_step"):
+        what = "--compile" if cfg.compile else "a train_step of one's own"
+        raise UsageError(f"{what} is not yet supported with --model-layout tensor_parallel; "
+                         "drop it or use --model-layout fsdp", everywhere=True)
 
 
 def mesh_and_plan(model: nn.Module, cfg: Config, device: torch.device, task: Any,
@@ -80,10 +138,7 @@ def mesh_and_plan(model: nn.Module, cfg: Config, device: torch.device, task: Any
 
     world = dist.get_world_size()
     tp = group_size(cfg.tp_size, world)
-    if cfg.compile or hasattr(task, "train_step"):
-        what = "--compile" if cfg.compile else "a train_step of one's own"
-        raise UsageError(f"{what} is not yet supported with --model-layout tensor_parallel; "
-                         "drop it or use --model-layout fsdp", everywhere=True)
+    refuse_unsupported(cfg, task)
     layers = task_plan(model, task, tp)
     mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -181,15 +236,13 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> None:
         (g.to_local() if hasattr(g, "to_local") else g).mul_(scale)
 
 
-def elements_on_rank(model: nn.Module, task: Any, tp_size: int,
-                     world: int) -> tuple[dict[int, int], int]:
-    """doctor --plan: (each parameter's elements on the fullest rank, by id, as the run places
-    them: the plan's layers 1/tp (colwise: weight and bias rows; rowwise: weight columns), then
-    dim 0 of each over the world / tp data-parallel ranks, as FSDP2 does; those ranks). The
-    run's refusals."""
-    from .parallel import rows_on_rank
-
-    tp = group_size(tp_size, world)
+def shapes_on_rank(model: nn.Module, task: Any, cfg: Config,
+                   world: int) -> tuple[dict[int, list[int]], int]:
+    """doctor --plan: (each parameter's shape on a rank of a tp group, by id: the plan's layers
+    1/tp (colwise: weight and bias rows; rowwise: weight columns), the rest whole; the world / tp
+    data-parallel ranks FSDP2 then splits dim 0 over). The run's refusals."""
+    refuse_unsupported(cfg, task)
+    tp = group_size(cfg.tp_size, world)
     layers, out = task_plan(model, task, tp), {}
     for name, module in model.named_modules():
         style = layers.get(name, "")
@@ -197,5 +250,5 @@ def elements_on_rank(model: nn.Module, task: Any, tp_size: int,
             shape = list(p.shape)
             if style == "colwise" or (style == "rowwise" and key == "weight"):
                 shape[style == "rowwise"] //= tp
-            out[id(p)] = rows_on_rank(torch.empty(shape, device="meta"), world // tp)
+            out[id(p)] = shape
     return out, world // tp

@@ -145,9 +145,8 @@ class Parser(argparse.ArgumentParser):
 
 def own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """--workers and --max-restarts, and the rest (train.py's flags)."""
-    parser = Parser(
-        prog="scripts/train_ray.py", add_help=False,
-        epilog="Every other flag is train.py's (python train.py --help).")
+    parser = Parser(prog="scripts/train_ray.py", add_help=False,
+                    epilog="Every other flag is train.py's (python train.py --help).")
     parser.add_argument("--workers", type=workers_flag, default=2, metavar="N|MIN:MAX",
                         help="Ray Train workers (processes); MIN:MAX lets Ray choose (elastic)")
     parser.add_argument("--max-restarts", type=int, default=3, metavar="R",
@@ -221,12 +220,26 @@ def newest(checkpoint_dir: str) -> str:
             else "no checkpoint was saved yet: the same command starts over")
 
 
-def fit(trainer: Any, done: futures.Future) -> None:
-    """trainer.fit() in a thread of the driver: its result, or what it raised, for the main one."""
+def fit_in_thread(trainer: Any, stop: Any) -> Any:
+    """trainer.fit()'s result, from a thread: a Ctrl-C tells the workers to save and stop."""
+    done: futures.Future = futures.Future()
+
+    def fit() -> None:  # its result, or what it raised, for the main thread
+        try:
+            done.set_result(trainer.fit())
+        except BaseException as exc:  # noqa: BLE001  (raised again by done.result())
+            done.set_exception(exc)
+
+    # `cmd &` in a script starts Python with SIGINT ignored: taken here, as by torchrun's workers.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    threading.Thread(target=fit, daemon=True).start()
     try:
-        done.set_result(trainer.fit())
-    except BaseException as exc:  # noqa: BLE001  (raised again by done.result())
-        done.set_exception(exc)
+        return done.result()
+    except KeyboardInterrupt:
+        print(f"ray: Ctrl-C: the workers save at their next log step and stop (within "
+              f"{STOP_SAVE_S:g} s; Ctrl-C again stops now, without a save)", flush=True)
+        stop.set.remote()
+        return done.result(STOP_SAVE_S)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,7 +257,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: scripts/train_ray.py needs Ray Train ({exc}); pip install -e \".[ray]\"",
               file=sys.stderr, flush=True)
         return 1
-
     # Ray Train would send every print of the workers through its logger too: each line twice.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     env = {name: value for name, value in os.environ.items()
@@ -264,19 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                                      use_gpu=bool(ray.cluster_resources().get("GPU"))),
         run_config=RunConfig(storage_path=storage_path(cfg.output_dir),
                              failure_config=FailureConfig(max_failures=args.max_restarts)))
-    done: futures.Future = futures.Future()
-    # Python leaves SIGINT ignored where its parent did (`cmd &` in a script): torchrun's workers
-    # take it all the same (their lifeline's handler), so the driver does too.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    threading.Thread(target=fit, args=(trainer, done), daemon=True).start()
     try:
-        try:
-            result = done.result()
-        except KeyboardInterrupt:
-            print(f"ray: Ctrl-C: the workers save at their next log step and stop (within "
-                  f"{STOP_SAVE_S:g} s; Ctrl-C again stops now, without a save)", flush=True)
-            stop.set.remote()
-            result = done.result(STOP_SAVE_S)
+        result = fit_in_thread(trainer, stop)
     except TrainingFailedError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"error: Ray Train stopped after {args.max_restarts} restart(s): {first}; see the "

@@ -96,6 +96,25 @@ def compiled_recompute() -> None:
                       "a compiled recompute that leaves the running statistics alone", "2.9")
 
 
+def library_floor(library: str, first: str, feature: str, then: str) -> None:
+    """`library` requires torch `first` (the fault_tolerance answer's, in its 0.2 releases: 2.7),
+    and no attribute shows what an older torch lacks of it. A release check: one error line below
+    `first`, naming `feature`, and `then`: what to run once torch is upgraded."""
+    if torch.__version__ < first:  # torch.torch_version.TorchVersion compares as a version
+        raise UsageError(f"{feature} needs torch {first} or later ({library} requires it), not "
+                         f"torch {torch.__version__}: upgrade torch, then {then}", everywhere=True)
+
+
+def batch_norms(module: nn.Module) -> list[nn.Module]:
+    """The BatchNorm layers in `module`: instances of nn.modules.batchnorm._BatchNorm (2.6 to
+    2.14), the base of BatchNorm1d to 3d, their lazy forms, SyncBatchNorm and one's own. Missing:
+    instances of torch's public BatchNorm classes, which are then all there are."""
+    norm = getattr(nn.modules.batchnorm, "_BatchNorm", None) or (
+        nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+        nn.LazyBatchNorm3d, nn.SyncBatchNorm)
+    return [m for m in module.modules() if isinstance(m, norm)]
+
+
 def ddp_backward(ddp: nn.Module) -> Callable[[torch.Tensor], None]:
     """What readies DDP's reducer from a loss as its forward does, for Step.backward
     (Reducer._rebuild_buckets, then prepare_for_backward). Checked once, here, not at every step.

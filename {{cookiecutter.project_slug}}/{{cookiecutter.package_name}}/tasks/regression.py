@@ -15,6 +15,8 @@ Optional:
     collate(samples) -> batch              how samples become a batch (default: default_collate)
     blocks(model) -> list[nn.Module]       the repeated blocks: fsdp shards each one,
                                            model_parallel_2 splits the model between them
+    tensor_parallel_plan(model, tp_size)   {layer: "colwise" or "rowwise"}: what tensor_parallel
+                                           splits over tp ranks (docs/performance.md)
     finalize_metrics(averages) -> dict     numbers derived from the averages (perplexity)
     predict(model, inputs, cfg) -> list    one line per input (scripts/predict.py)
     tokens_per_sample(cfg), flops_per_token(model, cfg)    tokens/s and MFU in the metrics
@@ -142,6 +144,22 @@ def build_model(cfg: Config) -> nn.Module:
 
 def blocks(model: MLP) -> list[nn.Module]:
     return list(model.blocks)
+
+
+def tensor_parallel_plan(model: MLP, tp_size: int) -> dict[str, str]:
+    """--model-layout tensor_parallel: the blocks' linear layers in pairs, as Megatron splits an
+    MLP: the first keeps 1/tp of its outputs (colwise), the second 1/tp of its inputs (rowwise);
+    an odd last block and the output layer stay whole."""
+    if isinstance(model.blocks[0][1], nn.BatchNorm1d):
+        raise UsageError("--batch-norm normalizes each block's whole output, which "
+                         "tensor_parallel splits: leave out --batch-norm, or use --model-layout "
+                         "fsdp", everywhere=True)
+    if len(model.blocks) < 2:
+        raise UsageError("tensor_parallel splits the MLP's blocks in pairs: give --num-layers 2 "
+                         "or more", everywhere=True)
+    pairs = range(len(model.blocks) // 2)
+    return {f"blocks.{2 * i}.0": "colwise" for i in pairs} | {
+        f"blocks.{2 * i + 1}.0": "rowwise" for i in pairs}
 
 
 # ---------------------------------------------------------------------- loss and metrics
