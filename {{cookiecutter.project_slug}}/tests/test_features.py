@@ -206,6 +206,16 @@ def test_warmup_cosine_schedule_clipping_and_weight_decay(workdir):
     state = load_state(workdir / "checkpoints" / ckpt_name(32))
     assert state["optimizer"]["param_groups"][0]["weight_decay"] == 0.05
     assert state["optim"]["scheduler"]["last_epoch"] == 32 and state["config"]["clip_grad"] == 0.5
+    # --min-lr: the same run's decay ends there, not at zero (the logged lr is the step's).
+    ok(python_train([*SMALL, "--dataset-size", "512", "--batch-size", "16", "--epochs", "1",
+                     "--lr", "0.01", "--lr-schedule", "cosine", "--warmup-steps", "8",
+                     "--min-lr", "0.002", "--log-every", "1", "--checkpoint-dir", "floor",
+                     "--output-dir", "runs/floor"], workdir))
+    floor = [m["lr"] for m in read_metrics(workdir / "runs/floor")]
+    assert floor[:8] == pytest.approx(lrs[:8]) and floor[8:] == sorted(floor[8:], reverse=True)
+    assert min(floor) == floor[-1] and 0.002 <= floor[-1] < 0.0021, floor
+    halfway = 0.002 + (lrs[20] - lrs[-1]) / 0.01 * (0.01 - 0.002)  # the same cosine, lifted
+    assert floor[20] == pytest.approx(halfway), (floor[20], halfway)
 
 
 def test_distributed_evaluation_equals_the_single_process_value(default_run):

@@ -96,7 +96,21 @@ import torch
 import {{ cookiecutter.package_name }}.task as task
 from {{ cookiecutter.package_name }}.main import exit_process, main
 
-task.configure_optimizer = lambda model, cfg: torch.optim.SGD(model.parameters(), lr=cfg.lr)
+
+
+class SGD(torch.optim.SGD):
+    # With SUMMED=1: on gradients summed over the ranks (the bug the test must catch).
+
+    def step(self, closure=None):
+        if os.environ.get("SUMMED"):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(int(os.environ["WORLD_SIZE"]))
+        return super().step(closure)
+
+
+task.configure_optimizer = lambda model, cfg: SGD(model.parameters(), lr=cfg.lr)
 build_model = task.build_model
 
 def rank_seeded(cfg):
@@ -117,16 +131,16 @@ def test_fsdp_and_hsdp_train_and_average_gradients_as_ddp_does(tmp_path, example
     """Plain SGD, the same data, seed and global batch (64): fsdp on 2 ranks and HSDP on 4 (2 x 2)
     log a one-process data_parallel run's losses and end with its weights (a batch is the same
     samples at any world size with the same global batch: data.py); only the order of the
-    reductions differs. Summed gradients would be that run with twice the learning rate (or more),
-    which the same comparison tells apart."""
+    reductions differs. The control: HSDP with its gradients summed over the 4 ranks instead
+    (SUMMED=1), which the same comparison must tell apart."""
     script = tmp_path / "with_sgd.py"
     script.write_text(WITH_SGD)
 
-    def run(name: str, nproc: int, batch: int, *args: str, lr: float = 0.05) -> tuple:
+    def run(name: str, nproc: int, batch: int, *args: str, **env: str) -> tuple:
         cmd = torchrun_cmd(nproc) if nproc > 1 else [sys.executable]
-        ok(run_cmd([*cmd, str(script), "--no-progress", *FLAGS, "--lr", str(lr),
+        ok(run_cmd([*cmd, str(script), "--no-progress", *FLAGS, "--lr", "0.05",
                     "--batch-size", str(batch), *args, "--checkpoint-dir", name,
-                    "--output-dir", f"runs/{name}"], tmp_path))
+                    "--output-dir", f"runs/{name}"], tmp_path, **env))
         losses = [r["loss"] for r in read_metrics(tmp_path / f"runs/{name}")]
         return losses, final_model(tmp_path / name)
 
@@ -134,11 +148,12 @@ def test_fsdp_and_hsdp_train_and_average_gradients_as_ddp_does(tmp_path, example
         return all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
 
     curve, expected = run("one", 1, 64)
+    hsdp = ("--model-layout", "fsdp", "--shard-group-size", "2")
     for name, nproc, batch in (("fsdp", 2, 32), ("hsdp", 4, 16)):
-        losses, weights = run(name, nproc, batch, "--model-layout", "fsdp",
-                              "--shard-group-size", "2")
+        losses, weights = run(name, nproc, batch, *hsdp)
         assert losses == pytest.approx(curve, rel=1e-4) and same(weights, expected), name
-    assert not same(run("summed", 1, 64, lr=0.1)[1], expected)
+    losses, weights = run("summed", 4, 16, *hsdp, SUMMED="1")
+    assert losses[1:] != pytest.approx(curve[1:], rel=1e-4) and not same(weights, expected)
 
 
 @pytest.mark.full

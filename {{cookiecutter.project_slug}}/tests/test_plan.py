@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import needs_numpy, ok, run_cmd, torchrun_cmd
+from conftest import TRAIN, needs_numpy, ok, run_cmd, torchrun_cmd
 from torch import nn
 
 from {{ cookiecutter.package_name }} import task
@@ -107,6 +107,29 @@ def test_a_setting_wrong_only_at_64_processes_is_named(workdir, capsys):
            "never reaches --lr" in out
     assert "FAIL: 2 problem(s) at 64 processes" in out
     assert not torch.distributed.is_initialized()  # no process group, of 64 or any other size
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", ["powersgd", pytest.param("fsdp", marks=needs_numpy)])
+def test_the_run_says_what_the_plan_says_of_powersgd_and_of_fsdps_padding(workdir, capsys, case):
+    """One function for both, so one set of words: PowerSGD at a rank that compresses nothing
+    (the plan fails on it, the run warns of it and trains) and its note; fsdp's padded shards at
+    3 ranks (a note in both)."""
+    flags = ["--dataset-size", "256", "--epochs", "1", "--hidden-size", "16"]
+    flags += (["--comm-hook", "powersgd", "--powersgd-rank", "64", "--powersgd-warmup-steps", "2",
+               "--model-layout", "data_parallel"] if case == "powersgd"
+              else ["--model-layout", "fsdp"])
+    world = 2 if case == "powersgd" else 3
+    code = doctor(["--plan", "--world-size", str(world), *flags])
+    plan = " ".join(capsys.readouterr().out.split())  # lines wrapped for the terminal, joined
+    run = ok(run_cmd([*torchrun_cmd(world), TRAIN, "--no-progress", *flags], workdir))
+    said = [line.split(": ", 1)[1] for line in (run.stdout + run.stderr).splitlines()
+            if line.startswith(("note: --powersgd-rank", "warning: --powersgd", "note: fsdp:"))]
+    expected = 2 if case == "powersgd" else 1  # its note and its problem; the padding's note
+    assert len(said) == expected and all(line in plan for line in said), (said, plan)
+    assert code == (1 if case == "powersgd" else 0)
+    if case == "powersgd":
+        assert "PowerSGD compresses none of the" in said[1]
 
 
 def test_a_flag_that_needs_a_validation_set_fails_the_plan_as_the_run_refuses_it(workdir, capsys):

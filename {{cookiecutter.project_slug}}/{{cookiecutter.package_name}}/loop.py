@@ -67,7 +67,7 @@ class Trainer:
         self.cfg, self.world, self.task, self.model, self.optim = cfg, world, task, model, optim
         self.batches, self.loader, self.data_notes = data.batches, data.loader, data.notes
         self.device, self.backend, self.lifeline = runtime.device, runtime.backend, runtime.lifeline
-        self.started_at = runtime.started_at
+        self.started_at, self.comm_hook = runtime.started_at, runtime.comm_hook
         self.unwrapped = unwrap(model)  # the user's module: state_dicts without prefixes
         self.comm_device = collective_device(runtime.backend, runtime.device)  # our collectives
         # Position: the epoch being trained, the batches of it already done, optimizer steps.
@@ -229,7 +229,13 @@ class Trainer:
             return {"complete": True, "steps": self.step}  # summary and metrics stay as they are
         self.evaluation.check_metric_names()
         self.metrics.open(resumed=resumed_from is not None)
-        for problem in schedule(self.cfg, self.batches.size, self.batches.world_size)[2]:
+        _, steps, problems = schedule(self.cfg, self.batches.size, self.batches.world_size)
+        if self.comm_hook is not None:  # PowerSGD's
+            note, wrong = self.comm_hook.report(steps)
+            problems += wrong
+            if self.world.is_main:
+                print(f"note: {note}", flush=True)
+        for problem in problems:
             if self.world.is_main:  # what `doctor --plan` fails on, the run warns of
                 warn(problem)
         if (unheld := self.optim.unheld) and self.world.is_main:

@@ -21,9 +21,9 @@ from .data import ShardedBatchSampler, build_loader, place_on_device, validation
 from .evaluation import Evaluator
 from .failures import RunFailure, UsageError
 from .loop import Data, Runtime, Trainer
+from .meters import human_size
 from .optim import Optimization, schedule
 from .parallel import parallelize
-from .plan import human_size
 from .runtime.comm_hooks import register_comm_hook
 from .runtime.environments import World
 from .runtime.launch import start

@@ -17,6 +17,15 @@ import torch.distributed as dist
 
 from .failures import UsageError
 
+
+def human_size(n_bytes: float) -> str:
+    """Bytes as people read them: 1234567 -> "1.23 MB" (units of 1000)."""
+    units = ["bytes", "KB", "MB", "GB", "TB"]
+    while n_bytes >= 1000 and len(units) > 1:
+        n_bytes, units = n_bytes / 1000, units[1:]
+    return f"{n_bytes:.3g} {units[0]}"
+
+
 VALUES = 1024  # a log step's slots for the values a step returns: the same on every rank
 
 

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from .config import SHARDED, Config
 from .data import move_to
 from .failures import UsageError, warn
+from .meters import human_size
 from .runtime import torch_private as private
 
 
@@ -166,6 +167,21 @@ def rows_on_rank(p: torch.Tensor, shards: int) -> int:
     return math.ceil(rows / shards) * (p.numel() // rows) if rows else 0
 
 
+def padding_note(params: list[torch.Tensor], shards: int) -> str | None:
+    """What FSDP2's padding costs over `shards` ranks (each parameter padded to ceil(rows /
+    shards) rows a rank) and how many parameters leave a rank an empty shard; None where nothing
+    is padded. doctor --plan notes it and an fsdp run prints it at its start, in these words."""
+    waste = sum((rows_on_rank(p, shards) * shards - p.numel()) * p.element_size() for p in params)
+    if not waste:
+        return None
+    rows = [p.shape[0] if p.dim() else 1 for p in params]
+    # torch.chunk gives fewer pieces than ranks where ceil(n / ceil(n / shards)) < shards.
+    empty = sum(n > 0 and math.ceil(n / math.ceil(n / shards)) < shards for n in rows)
+    return (f"fsdp: padding each parameter to ceil(rows / {shards}) rows costs "
+            f"{human_size(waste)} per {shards} ranks, in parameters and as much in gradients; "
+            f"{empty} of {len(rows)} parameters leave some ranks an empty shard")
+
+
 def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
                  blocks: list[nn.Module], is_main: bool, local_world_size: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
@@ -189,6 +205,9 @@ def _fully_shard(model: nn.Module, cfg: Config, device: torch.device, task: Any,
             device.type, (replicas, shard), mesh_dim_names=("replicate", "shard")))
         if replicas > 1 and is_main:
             print(f"fsdp: {replicas} replica group(s) of {shard} rank(s) (HSDP)", flush=True)
+        padding = padding_note(list(model.parameters()), shard)
+        if padding and is_main:  # as doctor --plan notes it
+            print(f"note: {padding}", flush=True)
     private.fsdp_on(device, cfg.model_layout)  # once the flags of its mesh were checked
     if dist.get_backend() != "nccl":  # the mesh's new groups: --timeout-s (NCCL's: at step 1)
         private.set_group_timeout(cfg.timeout_s)

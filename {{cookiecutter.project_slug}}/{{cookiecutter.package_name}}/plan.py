@@ -5,7 +5,6 @@ on the meta device); activations are an estimate (a real forward here, at two sm
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import textwrap
 from collections.abc import Callable
@@ -19,21 +18,21 @@ from .config import LAYOUTS, SHARDED, Config
 from .data import BatchFetcher
 from .evaluation import without_validation
 from .failures import ProjectError, UsageError
+from .meters import human_size
 from .optim import AMP_DTYPES, optimizer_state, schedule
-from .parallel import rows_on_rank, second_stage, shard_group_size, usable_blocks
+from .parallel import (
+    padding_note,
+    rows_on_rank,
+    second_stage,
+    shard_group_size,
+    usable_blocks,
+)
+from .runtime.comm_hooks import powersgd_report
 
 RESERVE_GB = 2.0  # per GPU: the CUDA context, NCCL's buffers, the caching allocator's slack
 EXACT = ("parameters", "gradients", "optimizer state")
 ROWS = (*EXACT, "EMA weights", "DDP gradient copies", "buffers", "activations (estimate)",
         "fsdp gathered")
-
-
-def human_size(n_bytes: float) -> str:
-    """Bytes as people read them: 1234567 -> "1.23 MB" (units of 1000)."""
-    units = ["bytes", "KB", "MB", "GB", "TB"]
-    while n_bytes >= 1000 and len(units) > 1:
-        n_bytes, units = n_bytes / 1000, units[1:]
-    return f"{n_bytes:.3g} {units[0]}"
 
 
 def static_memory(cfg: Config, layout: str, world: int,
@@ -189,31 +188,17 @@ def settings(cfg: Config, world: int, samples: int | None, source: str, model: n
         if hasattr(task, "tokens_per_sample"):
             notes.append(f"tokens per optimizer step: {batch * task.tokens_per_sample(cfg):,}")
         problems += wrong
-    if cfg.comm_hook == "powersgd" and cfg.model_layout != "fsdp":
-        # As comm_hooks.PowerSGD: a (rows, rest) gradient is compressed if that shrinks it over 2x.
-        shapes = [(p.shape[0], p.numel() // p.shape[0]) if p.dim() else (1, 1)
-                  for p in model.parameters() if p.requires_grad]
-        whole = sum(n * m <= (n + m) * min(n, m, cfg.powersgd_rank) * 2 for n, m in shapes)
-        notes.append(f"--powersgd-rank {cfg.powersgd_rank}: {len(shapes) - whole} of "
-                     f"{len(shapes)} gradients compressed, {whole} sent whole (vectors, or "
-                     "(rows + cols) x rank x 2 >= rows x cols)")
-        if whole == len(shapes):
-            problems.append(f"--powersgd-rank {cfg.powersgd_rank}: PowerSGD compresses none of "
-                            f"the {whole} gradients; drop --comm-hook powersgd")
-        if ran is not None and max(2, cfg.powersgd_warmup_steps) >= ran:
-            problems.append(f"--powersgd-warmup-steps {cfg.powersgd_warmup_steps} is not shorter "
-                            f"than the run ({ran} steps): PowerSGD never compresses")
+    if cfg.comm_hook == "powersgd" and cfg.model_layout not in SHARDED:
+        note, wrong = powersgd_report(list(model.parameters()), cfg.powersgd_rank,
+                                      cfg.powersgd_warmup_steps, ran)
+        notes.append(note)
+        problems += wrong
     notes += [f"tensor_parallel: the plan's layers split over --tp-size {cfg.tp_size} ranks, then "
               "as fsdp; activations of tp x --batch-size samples (a group's, at most)"
               ] if cfg.model_layout == "tensor_parallel" else []
-    params = list(model.parameters())
-    waste = sum((rows_on_rank(p, shards) * shards - p.numel()) * p.element_size() for p in params)
-    rows = [p.shape[0] if p.dim() else 1 for p in params]
-    # torch.chunk gives fewer pieces than ranks where ceil(n / ceil(n / shards)) < shards.
-    empty = sum(n > 0 and math.ceil(n / math.ceil(n / shards)) < shards for n in rows)
-    notes += [f"fsdp: padding each parameter to ceil(rows / {shards}) rows costs "
-              f"{human_size(waste)} per {shards} ranks, in parameters and as much in gradients; "
-              f"{empty} of {len(rows)} parameters leave some ranks an empty shard"] if waste else []
+    padding = padding_note(list(model.parameters()), shards)
+    if padding:
+        notes.append(padding)
     return notes, problems
 
 

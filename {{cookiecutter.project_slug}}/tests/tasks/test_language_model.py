@@ -74,7 +74,11 @@ def test_nanogpt_token_files_are_read_as_uint16_ids(tmp_path):
     assert torch.equal(train.dataset[2], ids[128:128 + 65])
     with pytest.raises(UsageError, match=r"token id \d+ is beyond --vocab-size 256; GPT-2's ids "
                                          r"\(nanoGPT's .bin files\) need 50304"):
-        task.TextWindows(tmp_path / "train.bin", 64)[2]
+        task.TextWindows(tmp_path / "train.bin", 64)  # before any window is read
+    # One bad id, the file's last: found before the first step, not when its window is read.
+    (tmp_path / "late.bin").write_bytes(array("H", [7] * 999 + [300]).tobytes())
+    with pytest.raises(UsageError, match="token id 300 is beyond --vocab-size 256"):
+        task.TextWindows(tmp_path / "late.bin", 64)
     with pytest.raises(UsageError, match="only the tokenizer that made the .bin file turns"):
         task.predict(None, ["a prompt"], cfg)  # ids this project cannot turn into text
 

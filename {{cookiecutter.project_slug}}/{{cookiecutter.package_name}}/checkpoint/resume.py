@@ -112,9 +112,11 @@ def load_into(path: Path, model: torch.nn.Module, optim: Optimization, world_siz
     ema, optimizers = optim.ema, type(optim.optimizers)() if weights_only else optim.optimizers
     check = (lambda meta, path: None) if weights_only else optim.check_saved
     if path.is_dir():
-        check(meta := read_meta(path), path)
+        meta = read_meta(path)
+        check(meta, path)
         extra = {"ema": ema.state_dict()} if ema is not None and meta.get("has_ema") else {}
-        rng, saved_ema = sharded.load(path, model, optimizers, meta, extra), extra.get("ema")
+        rng = sharded.load(path, model, optimizers, meta, extra)  # loads the EMA into `extra`
+        saved_ema = extra.get("ema")
     else:
         state = load_checkpoint(path)
         check_same_shapes(model.state_dict(), state["model"], path)

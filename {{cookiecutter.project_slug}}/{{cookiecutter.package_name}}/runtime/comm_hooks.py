@@ -49,6 +49,27 @@ def register_comm_hook(model: nn.Module, cfg: Config) -> PowerSGD | None:
     return PowerSGD(ddp, cfg.powersgd_rank, cfg.powersgd_warmup_steps)
 
 
+def powersgd_report(params: list[nn.Parameter], rank: int, warmup_steps: int,
+                    steps: int | None) -> tuple[str, list[str]]:
+    """(a note, problems) of PowerSGD on these parameters in a run of `steps` steps: which
+    gradients it compresses (torch's hook's rule: a (rows, rest) matrix whose rank-`rank` factors
+    are less than half its size) and whether it compresses anything at all. doctor --plan fails
+    on the problems, the run warns of them: in the same words, from here."""
+    shapes = [(p.shape[0], p.numel() // p.shape[0]) if p.dim() else (1, 1)
+              for p in params if p.requires_grad]
+    whole = sum(n * m <= (n + m) * min(n, m, rank) * 2 for n, m in shapes)
+    note = (f"--powersgd-rank {rank}: {len(shapes) - whole} of {len(shapes)} gradients "
+            f"compressed, {whole} sent whole (vectors, or (rows + cols) x rank x 2 >= rows x cols)")
+    problems = []
+    if whole == len(shapes):
+        problems.append(f"--powersgd-rank {rank}: PowerSGD compresses none of the {whole} "
+                        "gradients; drop --comm-hook powersgd")
+    if steps is not None and max(2, warmup_steps) >= steps:
+        problems.append(f"--powersgd-warmup-steps {warmup_steps} is not shorter than the run "
+                        f"({steps} steps): PowerSGD never compresses")
+    return note, problems
+
+
 class PowerSGD:
     """torch's PowerSGD hook, with its state saved and restored per parameter."""
 
@@ -62,6 +83,7 @@ class PowerSGD:
         self.state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=rank,
             start_powerSGD_iter=max(2, warmup_steps), random_seed=0)
+        self.rank, self.warmup_steps = rank, warmup_steps  # as given (report())
         self.params = [p for p in ddp.module.parameters() if p.requires_grad]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.layout: dict[int, tuple[int, ...]] = {}  # bucket index -> parameter indices
@@ -75,6 +97,10 @@ class PowerSGD:
         self.one_bucket_at_a_time = dist.get_backend() != "nccl"
         self._previous: torch.futures.Future | None = None
         ddp.register_comm_hook(self.state, self._hook)
+
+    def report(self, steps: int) -> tuple[str, list[str]]:
+        """What doctor --plan says of this PowerSGD in a run of `steps` steps (powersgd_report)."""
+        return powersgd_report(self.params, self.rank, self.warmup_steps, steps)
 
     def _hook(self, state: Any, bucket):
         if self._previous is not None:

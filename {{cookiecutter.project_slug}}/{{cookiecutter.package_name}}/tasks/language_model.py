@@ -100,6 +100,20 @@ class TextWindows(Dataset):
             raise UsageError(f"--data {path}: {size // self.width} tokens; this model needs at "
                              f"least {2 * seq_len + 1} (two windows of --seq-len {seq_len})",
                              everywhere=True)
+        if self.width == 2:  # bytes never are past 256; a bad id near the end would stop the
+            self.check_ids()  # run there, not before its first step
+
+    def check_ids(self) -> None:
+        """Every id of the .bin file below --vocab-size: its largest, read 32 MB at a time."""
+        top = 0
+        with open(self.path, "rb") as f:
+            while chunk := f.read(1 << 25):  # an even size: whole ids
+                ids = torch.frombuffer(bytearray(chunk[:len(chunk) // 2 * 2]), dtype=torch.uint16)
+                top = max(top, int(ids.int().max()) if len(ids) else 0)
+        if top >= self.vocab:
+            raise UsageError(f"--data {self.path}: token id {top} is beyond --vocab-size "
+                             f"{self.vocab}; GPT-2's ids (nanoGPT's .bin files) need 50304",
+                             everywhere=True)
 
     def __len__(self) -> int:
         return self.windows
@@ -109,11 +123,7 @@ class TextWindows(Dataset):
             f.seek(index * self.seq_len * self.width)
             window = f.read((self.seq_len + 1) * self.width)
         kind = torch.uint16 if self.width == 2 else torch.uint8
-        ids = torch.frombuffer(bytearray(window), dtype=kind).long()
-        if self.width == 2 and (top := int(ids.max())) >= self.vocab:  # bytes never are (>= 256)
-            raise UsageError(f"--data {self.path}: token id {top} is beyond --vocab-size "
-                             f"{self.vocab}; GPT-2's ids (nanoGPT's .bin files) need 50304")
-        return ids
+        return torch.frombuffer(bytearray(window), dtype=kind).long()
 
 
 def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
