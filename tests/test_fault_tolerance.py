@@ -77,13 +77,12 @@ def test_the_slurm_script_runs_a_step_per_group_and_a_killed_one_heals(ft_projec
         group1 = (project / f"slurm-{job}-group1.out").read_text()
         assert info["JobState"] == "COMPLETED", f"{out}\n{group1}"
         assert "replica group 1 failed: starting it again" in out, out
-        # The restarted group joins at the live group's step: healed from it if the live one
-        # moved on meanwhile, else from its own checkpoint of that very step (torchft heals only
-        # a group that is behind: the live one may still be waiting out the lost group, 3 s).
-        healed = re.search(r"healed from a live replica group: .* step \d+", group1)
-        resumed = re.findall(r"resumed from \S+ \(epoch \d+, batch \d+, step (\d+)\)", group1)
-        joined = re.findall(r"torchft: step (\d+): 2 replica group\(s\) taking part", group1)
-        assert healed or (len(resumed) == 1 and joined and int(joined[-1]) == int(resumed[0]) + 1), \
+        # What torchft and the project promise: the restarted group takes part again (healed
+        # from the live one, or at the same step from its own checkpoint; had the two trained
+        # apart meanwhile, the groups' state check makes them one model), and the job ends with
+        # one model, both groups at the last step.
+        restarted = group1.split("resumed from", 1)[-1] if "resumed from" in group1 else group1
+        assert re.search(r"torchft: step \d+: 2 replica group\(s\) taking part", restarted), \
             group1
         assert "done: 2000 steps" in (project / f"slurm-{job}-group0.out").read_text()
         assert "Quorum" in (project / f"slurm-{job}-lighthouse.out").read_text()

@@ -290,6 +290,37 @@ def test_every_group_killed_resumes_from_its_checkpoint_exactly(groups, tmp_path
 
 @pytest.mark.full
 @needs_torchft
+def test_groups_that_meet_with_other_weights_at_one_step_end_with_one_model(groups, tmp_path,
+                                                                           example_task):
+    """A split job: each group under a lighthouse of its own trains alone to step 20 (other data,
+    so other weights). Under one lighthouse they meet at the same step, where torchft heals no
+    one (it heals a group that is behind); the groups compare their state every
+    --check-replicas-every steps, take the first group's, and end with one model."""
+    apart = []
+    try:
+        for i in range(2):
+            (tmp_path / f"g{i}").mkdir()
+            apart.append(Lighthouse(tmp_path / f"g{i}"))
+            apart.append(Group(tmp_path / f"g{i}", i, apart[-1], "--max-steps", "20"))
+        for group in apart[1::2]:
+            group.finish()
+    finally:
+        for thing in apart:
+            if isinstance(thing, Lighthouse):
+                thing.stop()
+            elif thing.process.poll() is None:
+                thing.kill()
+    assert not same(apart[1].final_weights(), apart[3].final_weights())
+    _, first, second = groups("--max-steps", "40", "--check-replicas-every", "10",
+                              min_replicas=2)
+    out = first.finish() + second.finish()
+    assert out.count("resumed from") == 2
+    assert "the replica groups had different weights (they trained apart)" in out
+    assert same(first.final_weights(), second.final_weights())
+
+
+@pytest.mark.full
+@needs_torchft
 def test_an_unreachable_lighthouse_is_one_error_line_within_the_timeout(tmp_path):
     started = time.monotonic()
     address = f"http://127.0.0.1:{find_free_port()}"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed import ReduceOp
 
 from . import main as entry
 from . import task
@@ -32,7 +33,7 @@ from .data import ShardedBatchSampler
 from .failures import ProjectError, RunFailure, UsageError, report_error
 from .loop import Runtime, Trainer
 from .optim import Optimization, schedule
-from .parallel import parallelize
+from .parallel import parallelize, unwrap
 from .replica_groups import (
     START_IT,
     Replicas,
@@ -62,6 +63,7 @@ class FaultTolerantOptimization(Optimization):
                              f"{len(self.optimizers)}; train several with train.py",
                              everywhere=True)
         self.manager, self.lighthouse, self.say = manager, lighthouse, say
+        self.module = unwrap(args[0])  # the model: its state is what the groups compare
         self.skipped_steps = 0
         self.participants = 0
         self.params = next(iter(self.params.values()))
@@ -116,6 +118,9 @@ class FaultTolerantOptimization(Optimization):
         with self._lighthouse_errors():
             self.manager.allreduce(flat).wait()  # the average over the groups of this step
             participants = self.manager.num_participants()
+            every = self.cfg.check_replicas_every  # every group of a quorum is at its step
+            if participants > 1 and every and self.manager.current_step() % every == 0:
+                self._one_model()
             commit = self.manager.should_commit()
         self._in_step = False
         if participants != self.participants and self.say:
@@ -135,6 +140,31 @@ class FaultTolerantOptimization(Optimization):
         # to the Manager's, which decides who is behind and heals).
         self.skipped_steps += 1
         self.optimizers[self.named(name)].zero_grad(set_to_none=True)
+
+    def _one_model(self) -> None:
+        """torchft heals only a group that is behind: groups that trained apart for a while (a
+        lighthouse that dropped one under load) and meet again at the same step would each go on
+        with their own weights. So the groups compare a fingerprint of their state (the sum of
+        each tensor, as the largest and the smallest over the groups); where they differ, every
+        group takes the state of the quorum's first group, and says so."""
+        tensors = [t for t in [*self.module.state_dict().values(),
+                               *(v for state in self.optimizers["default"].state.values()
+                                 for v in state.values() if torch.is_tensor(v))]
+                   if t.is_floating_point()]
+        sums = torch.stack([t.detach().double().sum() for t in tensors]).to(self._flat.device)
+        spread = torch.cat([sums, -sums])
+        self.manager.allreduce(spread, reduce_op=ReduceOp.MAX).wait()
+        if self.manager.errored() or torch.equal(spread[:len(sums)], -spread[len(sums):]):
+            return  # the same state (or a failed step, which is not committed)
+        first = self.manager.participating_rank() == 0
+        for t in tensors:  # a sum in which only the first group's values are not zero
+            if not first:
+                t.zero_()
+            self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+        if self.say:
+            print(f"torchft: step {self.manager.current_step()}: the replica groups had "
+                  "different weights (they trained apart); each now has the first group's",
+                  flush=True)
 
     def finish_step(self) -> bool:
         if self._committed or self._in_step:  # committed, or update() never called
