@@ -272,8 +272,11 @@ def test_throughput_memory_step_times_and_a_profile(options_run):
     steps = json.loads((options_run / "steps.json").read_text())
     assert len(steps["step_ends"]) == 32 and steps["started_at"] < steps["step_ends"][0]
     assert 0 < report["time_to_first_step_s"] < report["wall_time_s"] + 60
-    # samples/s is training's: the epochs' evaluations are timed apart, not counted in it.
+    # samples/s is training's: every sample trained (1,000 a epoch, 2 epochs), over the run's
+    # time less the epochs' evaluations, which are timed apart.
     assert 0 < report["evaluation_s"] < report["wall_time_s"]
+    training_s = report["wall_time_s"] - report["evaluation_s"]
+    assert report["samples_per_s"] == pytest.approx(2 * 1000 / training_s, rel=2e-3)
     assert stdout.count("throughput:") == 1
     # The profiler: a trace of steps 2-4 on rank 0 only, with shapes.
     traces = list((options_run / "r-options/profile").glob("*.pt.trace.json"))
