@@ -10,13 +10,19 @@
 # passes; on the floor, 2.9.1 and the newest also the --full tests of its private-torch seams
 # (bench/torch_range.py; wheels cached in ~/.cache/torch-range; 4-20 minutes per release).
 # Without TORCH: every minor release from the floor, 2.6.0, to 2.14.1.
+# make combos: a pairwise set of the answers that change a run (some 20-25 bakes: every value of
+# launcher, backend, init_method, task, model_layout, tracker, fault_tolerance and the yes/no
+# answers beside every other), each baked, installed into a fresh venv as its README says (TORCH
+# first), trained for one short epoch and its `pytest -q` run (bench/combos.py; results in
+# bench/results/combos/; the defaults took 7 minutes on 2 cores, all of them 3-4 hours;
+# `python bench/combos.py --list` names them). Not in CI.
 # make gpu-levers: on one GPU, what each of the language-model task's levers is worth at GPT-2 small
 # in about 7 minutes (bench/levers.py; results in bench/results/levers/).
 PYTHON ?= python3
 # Installed only when `import torch` fails. Override for your platform, e.g. TORCH="torch==2.14.1".
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench gpu-check gpu-levers torch-range
+.PHONY: setup demo test lint bench gpu-check gpu-levers torch-range combos
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH)"
@@ -61,3 +67,7 @@ gpu-levers:
 # TORCH given on the command line: its releases ("torch==" may prefix them); else the matrix's.
 torch-range:
 	$(PYTHON) bench/torch_range.py $(if $(filter command line,$(origin TORCH)),$(TORCH))
+
+# Every venv gets $(TORCH) first, as a user pins it; run it alone (it keeps both cores busy).
+combos: setup
+	$(PYTHON) bench/combos.py --torch "$(TORCH)"
