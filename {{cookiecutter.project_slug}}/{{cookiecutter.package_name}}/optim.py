@@ -42,7 +42,8 @@ def schedule(cfg: Config, samples: int, world: int) -> tuple[int, int, list[str]
     a run that is not what its flags suggest: the run warns of it, `doctor --plan` fails on it."""
     shard = math.ceil(samples / world)  # each rank's samples an epoch (data.ShardedBatchSampler)
     per_epoch = math.ceil(math.ceil(shard / cfg.batch_size) / cfg.grad_accum)
-    total, batch = cfg.max_steps or per_epoch * cfg.epochs, cfg.batch_size * world * cfg.grad_accum
+    total = cfg.max_steps or per_epoch * cfg.epochs
+    batch = cfg.batch_size * world * cfg.grad_accum
     problems = []
     if batch > samples:
         extra = shard * world - samples  # the sampler's padding

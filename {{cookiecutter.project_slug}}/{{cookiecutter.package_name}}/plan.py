@@ -60,7 +60,8 @@ def static_memory(cfg: Config, layout: str, world: int,
     copies = (not cfg.gradient_as_bucket_view) + (cfg.comm_hook == "powersgd") if (
         shards == 1 and not sizes) else 0
     for p in model.parameters():  # each shared parameter once
-        gpu, local = out[owner[id(p)]], sizes[id(p)] if sizes else rows_on_rank(p, shards)
+        gpu = out[owner[id(p)]]
+        local = sizes[id(p)] if sizes else rows_on_rank(p, shards)
         gpu["parameters"] += local * p.element_size()  # fp32 master weights in every precision
         gpu["gradients"] += local * p.element_size() if p.requires_grad else 0
         gpu["DDP gradient copies"] += copies * local * p.element_size() if p.requires_grad else 0
@@ -181,7 +182,8 @@ def settings(cfg: Config, world: int, samples: int | None, source: str, model: n
     notes, problems, ran = [source], [], None
     if samples is not None:
         per_epoch, total, wrong = schedule(cfg, samples, world)  # as the run counts them
-        ran, batch = min(total, per_epoch * cfg.epochs), cfg.batch_size * world * cfg.grad_accum
+        ran = min(total, per_epoch * cfg.epochs)
+        batch = cfg.batch_size * world * cfg.grad_accum
         notes = [f"data: {samples:,} training samples ({source}); global batch {cfg.batch_size} x "
                  f"{world} x {cfg.grad_accum} = {batch:,}; {per_epoch:,} optimizer step(s) per "
                  f"epoch, {ran:,} in the run"]

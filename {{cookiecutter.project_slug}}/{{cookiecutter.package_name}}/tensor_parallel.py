@@ -192,8 +192,10 @@ def _gather(x: Any, rows: list[int], group: Any) -> Any:
     if not torch.is_tensor(x) or not x.dim():
         return x
     longest = max(rows)
-    padded = torch.cat([x, x.new_zeros((longest - len(x), *x.shape[1:]))]) if (
-        len(x) < longest) else x.contiguous()
+    if len(x) < longest:  # all_gather takes tensors of one size
+        padded = torch.cat([x, x.new_zeros((longest - len(x), *x.shape[1:]))])
+    else:
+        padded = x.contiguous()
     parts = [torch.empty_like(padded) for _ in rows]
     dist.all_gather(parts, padded, group=group)
     return torch.cat([p[:n] for p, n in zip(parts, rows, strict=True)])
