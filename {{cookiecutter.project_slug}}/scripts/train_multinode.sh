@@ -13,6 +13,16 @@ NNODES=${1:?$usage}
 NODE_RANK=${2:?$usage}
 ENDPOINT=${3:?$usage}
 shift 3
+# torchrun would end these in a traceback, or train node 1 of 1 as if there were two.
+if [[ ! "$NNODES" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: NNODES=$NNODES: give the number of nodes, 1 or more ($usage)" >&2
+  exit 2
+fi
+if [[ ! "$NODE_RANK" =~ ^[0-9]+$ ]] || (( NODE_RANK >= NNODES )); then
+  echo "error: NODE_RANK=$NODE_RANK: give this node's number, 0 to $((NNODES - 1)) (node 0" \
+    "hosts the rendezvous; $usage)" >&2
+  exit 2
+fi
 if [[ "$ENDPOINT" == "-" ]]; then
   ENDPOINT="${MASTER_ADDR:?set MASTER_ADDR or pass HEAD_HOST}:${MASTER_PORT:-29400}"
 fi

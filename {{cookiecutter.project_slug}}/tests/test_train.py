@@ -212,6 +212,21 @@ def test_the_scripts_own_variables_are_one_line_naming_the_variable(tmp_path, bi
                 result.stderr.count("\n") == 1, result.stderr
 
 
+def test_the_multinode_scripts_arguments_are_one_line_naming_the_argument(tmp_path, bin_dir):
+    """NNODES and NODE_RANK, checked before anything starts: a node rank not below the node count
+    trained as "node 1" of 1; zero nodes, or the arguments swapped, ended in a traceback."""
+    cases = ((["1", "1", "127.0.0.1:1"], "NODE_RANK=1: give this node's number, 0 to 0"),
+             (["0", "0", "127.0.0.1:1"], "NNODES=0: give the number of nodes, 1 or"),
+             (["127.0.0.1:1", "2", "0"], "NNODES=127.0.0.1:1: give the number"),
+             (["2", "-1", "127.0.0.1:1"], "NODE_RANK=-1: give this node's number, 0 to 1"))
+    for args, words in cases:
+        result = run_cmd(["bash", str(PROJECT_ROOT / "scripts/train_multinode.sh"), *args],
+                         tmp_path, PATH=path_with(bin_dir), PYTHON=sys.executable)
+        assert result.returncode == 2 and result.stdout == "", (args, result.stdout)
+        assert result.stderr.startswith(f"error: {words}") and result.stderr.count("\n") == 1, \
+            result.stderr
+
+
 def test_an_endpoint_held_by_another_program_is_one_line_at_once(tmp_path, bin_dir):
     """A program that accepts connections and never answers, on the head's endpoint: torchrun
     would wait minutes for it; the script's probe (a store answers a PING at once) says so in one
