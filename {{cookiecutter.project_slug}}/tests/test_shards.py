@@ -34,7 +34,7 @@ from conftest import (
 from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.data import ShardedBatchSampler
 from {{ cookiecutter.package_name }}.failures import RunFailure, UsageError
-from {{ cookiecutter.package_name }}.shards import read
+from {{ cookiecutter.package_name }}.shards import index_checksum, read
 from {{ cookiecutter.package_name }}.shards.read import ShardSet
 from {{ cookiecutter.package_name }}.shards.write import prepare
 
@@ -119,9 +119,12 @@ def test_careless_inputs_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match="is smaller than one shard of s3://b/set"):
         read.Cache(read.storage.RemotePath("s3://b/set", fs=object()), str(tmp_path / "c"),
                    1e-9, index, 300)
-    for change in (1, -1):  # a count edited: more samples than the files hold, or fewer
+    for change in (1, -1):  # a count wrong: more samples than the files hold, or fewer (its
+        # checksum made anew: what a faulty writer would leave, which the files still refute)
         shards = [{**index["shards"][0], "samples": index["shards"][0]["samples"] + change}]
-        (tmp_path / "set" / "index.json").write_text(json.dumps({**index, "shards": shards}))
+        wrong = {**index, "shards": shards}
+        wrong["checksum"] = index_checksum(wrong)
+        (tmp_path / "set" / "index.json").write_text(json.dumps(wrong))
         with pytest.raises(UsageError, match=r"index.json gives shard 00000 \d+ samples, its "
                                              r"files hold \d+ \(index.json edited\?\); prepare"):
             ShardSet(cfg.data, cfg, "train", as_stored)
@@ -154,6 +157,22 @@ def test_careless_inputs_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(RunFailure, match="cannot read shard file 00000.bin after 4 tries "
                                          r"\(ConnectionError: endpoint went away\); run the same"):
         cache.get("00000.bin")
+
+
+def test_an_index_edited_after_prepare_is_one_line(tmp_path):
+    """index.json's checksum covers what it says: a shard entry dropped, or the class names
+    reordered (every label then names another class), trained before without a word."""
+    prepare(str(image_folder(tmp_path / "images", 8)), str(tmp_path / "set"), 0.001,
+            progress=False)
+    path = tmp_path / "set" / "index.json"
+    index = json.loads(path.read_text())
+    assert read.shard_index(str(tmp_path / "set")) == index and len(index["shards"]) > 1
+    for edited in ({**index, "shards": index["shards"][1:]},
+                   {**index, "classes": index["classes"][::-1]}):
+        path.write_text(json.dumps(edited, indent=1))
+        with pytest.raises(UsageError, match="index.json was edited after prepare wrote it .*; "
+                                             "prepare the shard set again"):
+            read.shard_index(str(tmp_path / "set"))
 
 
 def test_a_prepare_never_writes_into_its_source_nor_onto_another_sources_set(tmp_path, capsys):

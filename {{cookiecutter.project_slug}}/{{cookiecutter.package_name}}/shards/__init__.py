@@ -7,9 +7,11 @@ A shard set is a folder or a URL prefix holding `index.json` (written last: a se
 not complete) and the shards `NNNNN.bin`. Images: a shard's files back to back, with `NNNNN.idx`
 (int64 rows of offset, length, label), so any sample is read alone. Text: one stream of token ids
 per shard (`tokenizer.json` beside them); a sample is the seq_len + 1 tokens at seq_len * i, so
-where it lies is arithmetic. index.json records each file's size and checksum, and the source."""
+where it lies is arithmetic. index.json records each file's size and checksum, the source, and a
+checksum of what it says itself (an entry dropped or the classes reordered after prepare)."""
 
 import hashlib
+import json
 from pathlib import Path
 
 INDEX = "index.json"
@@ -25,3 +27,9 @@ def checksum(data: bytes | Path) -> str:
         while block := f.read(1 << 22):
             digest.update(block)
     return digest.hexdigest()[:16]
+
+
+def index_checksum(index: dict) -> str:
+    """The checksum of what index.json says: every key but this one, in a fixed order."""
+    meaning = {key: value for key, value in index.items() if key != "checksum"}
+    return checksum(json.dumps(meaning, sort_keys=True).encode())

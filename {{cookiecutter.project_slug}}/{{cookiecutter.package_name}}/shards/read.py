@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 
 from ..checkpoint import storage
 from ..failures import RunFailure, UsageError
-from . import INDEX, checksum
+from . import INDEX, checksum, index_checksum
 
 TRIES = 4  # a failing download is tried this often, pauses growing, all within --timeout-s
 TOKENS = {"uint16": torch.uint16, "int32": torch.int32}  # a token set's "dtype" in index.json
@@ -56,7 +56,12 @@ def shard_index(data: str | None) -> dict[str, Any] | None:
                 f"an unfinished shard set (no {INDEX}: its prepare stopped)")
         raise UsageError(f"--data {storage.redact(data)}: {what}; write one with python -m "
                          f"{__package__} SOURCE {storage.redact(data)}", everywhere=True)
-    return json.loads(text) if found else None
+    index = json.loads(text) if found else None
+    if index and index.get("checksum", index_checksum(index)) != index_checksum(index):
+        raise UsageError(f"--data {storage.redact(data)}: {INDEX} was edited after prepare wrote "
+                         "it (what it says no longer has its checksum: a shard dropped, the "
+                         "classes reordered?); prepare the shard set again", everywhere=True)
+    return index
 
 
 def shard_parts(cfg: Any, index: dict[str, Any], train: Callable | None = None,

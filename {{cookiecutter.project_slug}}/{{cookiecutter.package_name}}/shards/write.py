@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ..checkpoint import storage
 from ..failures import ProjectError, UsageError
-from . import INDEX, TOKENIZER, checksum
+from . import INDEX, TOKENIZER, checksum, index_checksum
 
 EOT = "<|endoftext|>"  # between documents (files)
 IMAGES = {".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".gif", ".webp", ".tif", ".tiff"}  # SRC is
@@ -214,6 +214,7 @@ def prepare(source: str, dest: str, shard_mb: float, tokenizer: str | None = Non
             index = write_tokens(texts, writer, tokenizer_for(texts, tokenizer, vocab_size),
                                  Path(tmp), progress)
         index = {"format": 1, "source": made_from, **index, "shards": writer.shards}
+        index["checksum"] = index_checksum(index)  # read.shard_index checks it
         publish(json.dumps(index, indent=1).encode(), target / INDEX, Path(tmp))
     print(f"wrote {sum_samples(index)} {index['kind']} in {len(index['shards'])} shards to "
           f"{storage.shown(dest)}")
