@@ -6,6 +6,7 @@ a module fixture."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -216,6 +217,22 @@ def test_warmup_cosine_schedule_clipping_and_weight_decay(workdir):
     assert min(floor) == floor[-1] and 0.002 <= floor[-1] < 0.0021, floor
     halfway = 0.002 + (lrs[20] - lrs[-1]) / 0.01 * (0.01 - 0.002)  # the same cosine, lifted
     assert floor[20] == pytest.approx(halfway), (floor[20], halfway)
+
+
+def test_a_resumed_run_of_another_length_says_where_its_schedule_goes(workdir):
+    """--max-steps raised on a resumed cosine run: the schedule spans the new length, so the
+    learning rate moves at once (here from the end of the old decay, 0, up the new one); the run
+    says so, with the values, and how to keep the old schedule."""
+    flags = [*SMALL, "--dataset-size", "512", "--batch-size", "16", "--epochs", "1",
+             "--lr", "0.01", "--lr-schedule", "cosine", "--log-every", "1"]
+    ok(python_train([*flags, "--max-steps", "8"], workdir))
+    result = ok(python_train([*flags, "--max-steps", "16"], workdir))
+    halfway = 0.01 * 0.5 * (1 + math.cos(math.pi * 8 / 16))  # step 9 of 16: factor(8)
+    assert ("note: this run is 16 steps, the checkpoint's was 8: --lr-schedule cosine now spans "
+            f"the new length, so the learning rate of step 9 is {halfway:.3g}, not 0; give the "
+            "old run's --max-steps and --epochs to keep its schedule") in result.stdout
+    lrs = [m["lr"] for m in read_metrics(workdir / "runs/latest")]  # each after its step
+    assert lrs[8] == pytest.approx(0.01 * 0.5 * (1 + math.cos(math.pi * 9 / 16)))
 
 
 def test_distributed_evaluation_equals_the_single_process_value(default_run):

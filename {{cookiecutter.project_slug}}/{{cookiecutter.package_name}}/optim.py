@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .config import Config
@@ -173,7 +174,8 @@ class Optimization:
     def state_dict(self) -> dict[str, Any]:
         """Schedulers and scaler (the optimizers' own state is saved with the model)."""
         return {"scheduler": self.schedulers.state_dict(), "kinds": self.kinds,
-                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
+                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+                "total_steps": self.total_steps}
 
     def check_saved(self, meta: dict[str, Any], path: Any) -> None:
         """A checkpoint of other optimizers or schedules is one line, before anything loads."""
@@ -192,6 +194,25 @@ class Optimization:
         self.schedulers.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        if state.get("total_steps", self.total_steps) != self.total_steps:
+            self.say_new_length(state["total_steps"])
+
+    def say_new_length(self, saved_total: int) -> None:
+        """A resumed run of another length (--max-steps, --epochs, the data): the built-in
+        schedule follows the new length from here on, so the learning rate moves at once; say
+        where to, and how to keep the old schedule."""
+        ours = [name for name, kind in self.kinds.items() if kind.endswith("--lr-schedule")]
+        if not ours or self.cfg.lr_schedule == "constant":
+            return
+        cfg, step = self.cfg, self.schedulers[ours[0]].last_epoch
+        floor = cfg.min_lr / cfg.lr
+        before = cfg.lr * lr_lambda(cfg.lr_schedule, cfg.warmup_steps, saved_total, floor)(step)
+        now = cfg.lr * lr_lambda(cfg.lr_schedule, cfg.warmup_steps, self.total_steps, floor)(step)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"note: this run is {self.total_steps} steps, the checkpoint's was "
+                  f"{saved_total}: --lr-schedule {cfg.lr_schedule} now spans the new length, so "
+                  f"the learning rate of step {step + 1} is {now:.3g}, not {before:.3g}; give the "
+                  "old run's --max-steps and --epochs to keep its schedule", flush=True)
 
 
 def checked(value: Any) -> tuple[torch.optim.Optimizer, Any]:
