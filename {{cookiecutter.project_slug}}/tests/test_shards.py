@@ -89,7 +89,7 @@ def test_a_shard_set_holds_every_image_once_and_a_rerun_does_nothing(tmp_path, c
     files = {(p.read_bytes(), ["cat", "dog", "emu"].index(p.parent.name))
              for p in source.rglob("*.png")}
     assert len(stored) == 96 and set(stored) == files, "each image once, with its label"
-    assert len(val) == sum(int(s["samples"] * 0.25) for s in index["shards"])
+    assert len(val) == int(96 * 0.25)  # the set's fraction, spread over its shards
 
 
 def test_the_order_depends_on_seed_and_epoch_alone_and_batches_on_the_global_batch(tmp_path):
@@ -157,6 +157,15 @@ def test_careless_inputs_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(RunFailure, match="cannot read shard file 00000.bin after 4 tries "
                                          r"\(ConnectionError: endpoint went away\); run the same"):
         cache.get("00000.bin")
+
+
+def test_validation_is_the_fraction_of_the_set_whatever_the_shards_size():
+    """12 shards of 4 images at --val-fraction 0.2: 9 held out, spread over the shards (each
+    shard's own 0.8 rounded to none before: no validation, and nothing said so)."""
+    held = read.held_out([4] * 12, 0.2)
+    assert sum(held) == 9 and max(held) == 1
+    assert read.held_out([1000, 1000, 999], 0.1) == [100, 100, 99]
+    assert read.held_out([4] * 12, 0.0) == [0] * 12
 
 
 def test_an_index_edited_after_prepare_is_one_line(tmp_path):

@@ -90,7 +90,7 @@ def synthetic_images(size: int, seed: int) -> InMemoryDataset:
 def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     """Training and validation data, identical on every rank. Synthetic: --dataset-size images
     plus --val-fraction of that as validation. A folder: --val-fraction of its images held out.
-    A shard set: --val-fraction of each shard's images held out."""
+    A shard set: --val-fraction of its images held out, spread over its shards."""
     if index := shard_index(cfg.data):
         return shard_parts(cfg, index, *(partial(image_sample, augment=a) for a in (True, False)))
     if cfg.data:

@@ -129,7 +129,7 @@ class TextWindows(Dataset):
 def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     """Training and validation windows, identical on every rank. Synthetic: --dataset-size windows
     plus --val-fraction of that as validation. A file: --val-fraction of its windows held out.
-    A shard set: --val-fraction of each shard's windows held out."""
+    A shard set: --val-fraction of its windows held out, spread over its shards."""
     if index := shard_index(cfg.data):
         return shard_parts(cfg, index, seq_len=cfg.task.seq_len)
     if cfg.data:
