@@ -168,6 +168,20 @@ def test_validation_is_the_fraction_of_the_set_whatever_the_shards_size():
     assert read.held_out([4] * 12, 0.0) == [0] * 12
 
 
+def test_prepare_leaves_out_what_training_would_refuse(tmp_path, capsys):
+    """A 32-bit image with values outside 0..65535, which training refuses in one line: prepare
+    reads each image as training does, and leaves it out with the files that are no images (it
+    stored it before, and the run stopped on it)."""
+    from PIL import Image
+
+    source = image_folder(tmp_path / "images", 4)
+    Image.new("I", (5, 4), 70000).save(source / "cat" / "wide.tiff")
+    index = prepare(str(source), str(tmp_path / "set"), 0.001, progress=False)
+    assert sum(shard["samples"] for shard in index["shards"]) == 12  # 3 classes x 4 images
+    assert "note: left out 4 files that are not images or cannot be decoded" in \
+        capsys.readouterr().err  # each class's notes.txt, and the image
+
+
 def test_an_index_edited_after_prepare_is_one_line(tmp_path):
     """index.json's checksum covers what it says: a shard entry dropped, or the class names
     reordered (every label then names another class), trained before without a word."""

@@ -22,6 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from .. import task
 from ..checkpoint import storage
 from ..failures import ProjectError, UsageError
 from . import INDEX, TOKENIZER, checksum, index_checksum
@@ -92,9 +93,12 @@ def write_images(source: Path, writer: Writer, progress: bool) -> dict[str, Any]
     random.Random(0).shuffle(files)  # every shard holds every class
     others = []
     for path, label in tqdm(files, "images", disable=not progress, unit=" files"):
-        try:  # decoded whole: a file that is no image, or a truncated one, is left out now
-            Image.open(path).load()
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        try:  # decoded whole, as training reads it: what it would refuse is left out now
+            if hasattr(task, "image_sample"):  # (a 32-bit image out of range, say)
+                task.image_sample(path.read_bytes(), label, augment=False)
+            else:
+                Image.open(path).load()
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError, UsageError):
             others.append(path)
             continue
         writer.add(path.read_bytes(), label)
