@@ -45,7 +45,7 @@ def main() -> None:
     (root / "tests" / "tasks" / f"test_{task}.py").replace(root / "tests" / "test_task.py")
     (root / "configs" / f"{task}.toml").replace(root / "configs" / "example.toml")
     remove(package / "tasks")
-    if task != "language_model":  # its loss's chunked cross-entropy
+    if task not in ("language_model", "hf_causal_lm"):  # their loss's chunked cross-entropy
         remove(package / "cross_entropy.py")
     if task != "classification":  # its image files' reading
         remove(package / "images.py")
@@ -70,12 +70,15 @@ def main() -> None:
     if ANSWERS["model_layout"] != "tensor_parallel":
         for rel in TENSOR_PARALLEL:
             remove(root / rel.format(package=ANSWERS["package_name"]))
-    train = (f"scripts/train_local.sh --epochs 3     # {ANSWERS['launcher']}: one process per GPU,"
+    flags = "--epochs 3"
+    if task == "hf_causal_lm":  # your model's folder and your text
+        flags = "--model path/to/model --data path/to/text.txt --epochs 3"
+    train = (f"scripts/train_local.sh {flags}     # {ANSWERS['launcher']}: one process per GPU,"
              " or 2 on CPU")
     extras = "dev"
     if ANSWERS["launcher"] == "ray":
         train = ("ray start --head --node-ip-address 127.0.0.1 --num-cpus 2  # or set RAY_ADDRESS\n"
-                 "  python scripts/train_ray.py --workers 2 --epochs 3")
+                 f"  python scripts/train_ray.py --workers 2 {flags}")
         extras = "dev,ray"
     print(f"""
 Created {root}

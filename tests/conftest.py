@@ -118,6 +118,8 @@ def expected_files(package: str, answers: dict) -> set[str]:
         "rendezvous", "torch_private", "trackers", "workarounds", "workers")}
     if answers.get("task") == "language_model":
         files |= {"configs/gpt2-small.toml", f"{package}/cross_entropy.py"}
+    if answers.get("task") == "hf_causal_lm":
+        files.add(f"{package}/cross_entropy.py")
     if answers.get("task", "classification") == "classification":
         files.add(f"{package}/images.py")
     if answers.get("model_layout") == "tensor_parallel":

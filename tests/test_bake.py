@@ -94,13 +94,16 @@ def test_the_answers_are_the_projects_defaults(baked_once, answers):
         assert f'DEFAULT_{name.upper()} = "{answers[name]}"' in config
     task = (project / "ddp_project/task.py").read_text()
     assert {"classification": "class SmallCNN", "regression": "class MLP",
-            "language_model": "class TinyGPT"}[answers["task"]] in task
+            "language_model": "class TinyGPT",
+            "hf_causal_lm": "def save_pretrained"}[answers["task"]] in task
     dependencies = " ".join(tomllib.loads((project / "pyproject.toml").read_text())["project"]
                             ["dependencies"])
     for tracker, package in (("tensorboard", "tensorboard"), ("wandb", "wandb"),
                              ("mlflow", "mlflow-skinny")):
         assert (package in dependencies) == (answers["tracker"] == tracker), tracker
     assert ("numpy" in dependencies) == (answers["model_layout"] in ("fsdp", "tensor_parallel"))
+    for package in ("transformers", "tokenizers", "safetensors"):  # the Hugging Face task's only
+        assert (package in dependencies) == (answers["task"] == "hf_causal_lm"), package
     extras = tomllib.loads((project / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
     if answers["fault_tolerance"] == "torchft":
@@ -175,7 +178,7 @@ def _intra_package_imports(module: str, tree: ast.AST, modules: set[str]) -> set
 # The bakes whose packages differ: each optional module, and each task.py.
 SIZED_BAKES = [{}, {"launcher": "ray"}, {"fault_tolerance": "torchft"},
                {"model_layout": "tensor_parallel", "task": "language_model"},
-               {"task": "regression"}, {"task": "language_model"}]
+               {"task": "regression"}, {"task": "language_model"}, {"task": "hf_causal_lm"}]
 
 
 @pytest.mark.parametrize("answers", SIZED_BAKES, ids=answers_id)

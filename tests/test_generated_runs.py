@@ -334,3 +334,18 @@ def test_the_tensor_parallel_bake_passes_its_tests(tmp_path):
     tests = int(re.search(r"(\d+) tests? collected", collected.stdout).group(1))
     passed = int(re.search(r"(\d+) passed", result.stdout).group(1))
     assert tests >= 20 and passed >= tests, (tests, passed, result.stdout[-2000:])
+
+
+def test_the_hf_causal_lm_bake_passes_its_tests(tmp_path):
+    """task=hf_causal_lm, offline (HF_HUB_OFFLINE=1): a tiny Llama and a BPE tokenizer made into
+    a folder, fine-tuned by 2 processes (the loss falls), a worker SIGKILLed and the run resumed
+    bit for bit, the export a folder transformers loads with the checkpoint's logits, fsdp, the
+    plan from the model's own description, a missing folder one line; its docs and flags. None
+    of its task tests may skip unseen."""
+    project = bake_to(tmp_path, task="hf_causal_lm")
+    result = check_ok(run([PYTHON, "-m", "pytest", "-q", "-rs", "--full", "-p", "no:cacheprovider",
+                           "tests/test_task.py", "tests/test_docs.py", "tests/test_config.py"],
+                          project, timeout=600, HF_HUB_OFFLINE="1"))
+    skipped = [line for line in result.stdout.splitlines()
+               if line.startswith("SKIPPED") and "test_task.py" in line]
+    assert skipped == [], skipped

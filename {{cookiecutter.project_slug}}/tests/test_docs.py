@@ -37,6 +37,7 @@ EXTERNAL_FLAGS = {
     "tensorboard": {"--logdir"},
     "mlflow": {"--backend-store-uri"},
     "lighthouse": {"--min_replicas"},  # the fault-tolerance lighthouse server
+    "hf": {"--local-dir"},  # huggingface_hub's command line (hf download)
     "ray": {"--head", "--address", "--num-cpus", "--num-gpus", "--port", "--force",
             "--node-ip-address"},
 }
@@ -64,6 +65,7 @@ NAMED = {
     "tensorboard": r"\btensorboard\b",
     "mlflow": r"\bmlflow\b",
     "lighthouse": r"\blighthouse",
+    "hf": r"\bhf download\b",
 }
 # A module's own comments speak of its own command line.
 OWN_COMMAND = {"doctor.py": "doctor", "export.py": "export", "workarounds.py": "torchrun",

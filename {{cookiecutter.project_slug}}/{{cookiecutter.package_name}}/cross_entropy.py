@@ -1,5 +1,6 @@
-"""Cross-entropy of 16-bit logits without a float32 copy of them all: the language-model task's
-loss in eager mode (task.py's token_losses). Generated with task=language_model only."""
+"""Cross-entropy of 16-bit logits without a float32 copy of them all: the language-model tasks'
+loss in eager mode (task.py's token_losses). Generated with task=language_model and
+task=hf_causal_lm only."""
 
 from __future__ import annotations
 

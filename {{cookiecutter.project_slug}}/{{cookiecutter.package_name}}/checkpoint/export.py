@@ -1,4 +1,6 @@
-"""Exports: any checkpoint (file, folder, URL) as one file that loads with `weights_only=True`.
+"""Exports: any checkpoint (file, folder, URL) as one file that loads with `weights_only=True`;
+for a task.py with `save_pretrained(model_state, cfg, folder)` (hf_causal_lm's), as the folder it
+writes, unless OUT ends in .pt.
 
     python -m {{ cookiecutter.package_name }}.checkpoint export SRC OUT.pt"""
 
@@ -8,12 +10,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .. import task
+from ..config import Config
 from ..ema import model_state
 from ..failures import ProjectError, UsageError
 from ..settings import Parser
 from . import storage
 from .files import CHECKPOINT_NAME, load_checkpoint, missing, read_meta, unreadable, write_file
-from .storage import AnyPath
+from .storage import AnyPath, RemotePath
 
 
 def export(source: AnyPath, output: AnyPath, raw_weights: bool = False) -> None:
@@ -24,8 +28,25 @@ def export(source: AnyPath, output: AnyPath, raw_weights: bool = False) -> None:
         raise UsageError(f"{output}: an export may not replace its source or a checkpoint "
                          "(ckpt_step...); write it to another file, such as model.pt")
     model, meta = model_and_meta(source, raw_weights)
+    if hasattr(task, "save_pretrained") and not str(output).endswith(".pt"):
+        export_folder(model, meta, output)
+        return
     keep = ("epoch", "step", "world_size", "config", "weights")
     write_file({"model": model, **{k: meta[k] for k in keep if k in meta}}, output)
+
+
+def export_folder(model: dict, meta: dict, output: AnyPath) -> None:
+    """task.save_pretrained: the model as a folder of the task's own format (a Hugging Face
+    model's), with the settings of the run that saved the checkpoint."""
+    if isinstance(output, RemotePath):
+        raise UsageError(f"{output}: the model's folder is written on this machine: give a "
+                         "local folder (and copy it to the bucket), or OUT.pt for one file")
+    if output.is_file() or (output.is_dir() and any(output.iterdir())
+                            and not (output / "config.json").is_file()):
+        raise UsageError(f"{output}: the export writes a folder, and this is a file or a folder "
+                         "of other files: give a new folder, or OUT.pt for one file")
+    cfg = Config.from_dict(meta.get("config", {}), getattr(task, "Settings", None))
+    task.save_pretrained(model, cfg, output)
 
 
 def model_and_meta(source: AnyPath, raw_weights: bool = False) -> tuple[dict, dict]:
@@ -55,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog=f"python -m {__package__}", allow_abbrev=False)  # one `error:` line
     parser.help_command = f"python -m {__package__} export --help"
     parser.add_argument("command", choices=["export"],
-                        help="export: write any checkpoint as one weights_only file")
+                        help="export: write any checkpoint as one weights_only file (or, for a "
+                        "task.py with save_pretrained, as the folder it writes)")
     parser.add_argument("source", help="a checkpoint file or folder: a path or a URL")
-    parser.add_argument("output", help="the file to write: a path or a URL")
+    parser.add_argument("output", help="the file to write: a path or a URL; for a task.py with "
+                        "save_pretrained, a folder, unless it ends in .pt")
     parser.add_argument("--raw-weights", action="store_true",
                         help="the model's own weights, not the EMA's (for a run with --ema-decay)")
     args = parser.parse_args(argv)

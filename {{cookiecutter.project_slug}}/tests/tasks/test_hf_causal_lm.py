@@ -1,0 +1,232 @@
+"""Tests of the example task in task.py: a Hugging Face causal language model from a local folder.
+
+A tiny Llama (2 layers, 4 heads, 2 key/value heads) and a byte-level BPE tokenizer are made here,
+offline, in a folder as save_pretrained writes it, with a text of made-up words; every run has
+HF_HUB_OFFLINE=1. They check that it learns on 2 processes, resumes bit for bit after a SIGKILL,
+exports to a folder transformers loads, and trains under fsdp. When you replace task.py with your
+own task, replace these with tests of yours; every other test keeps working.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    TRAIN,
+    assert_same_model,
+    final_model,
+    kill_a_worker_once_saved,
+    load_state,
+    made_once,
+    needs_numpy,
+    ok,
+    one_error,
+    read_metrics,
+    run_cmd,
+    summary,
+    torchrun,
+    torchrun_cmd,
+)
+
+from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints
+from {{ cookiecutter.package_name }}.config import parse_args
+from {{ cookiecutter.package_name }}.failures import UsageError
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason='needs transformers: pip install -e ".[dev]"')
+
+OFFLINE = {"HF_HUB_OFFLINE": "1"}
+# 2 x 16 windows of 33 tokens a step; a checkpoint every 10 steps.
+FLAGS = ["--seq-len", "32", "--batch-size", "16", "--max-steps", "40", "--save-every-steps", "10",
+         "--log-every", "10", "--lr", "0.003", "--val-fraction", "0.05"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def offline():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield
+
+
+def made_up_text(words: int, seed: int = 0) -> str:
+    """Sentences of made-up words, one a line: a model that learns them beats guessing."""
+    g = torch.Generator().manual_seed(seed)
+    letters = "etaoinshrdlucmfw"
+    vocabulary = ["".join(letters[i] for i in torch.randint(len(letters), (int(n),), generator=g))
+                  for n in torch.randint(2, 7, (32,), generator=g)]
+    picks = torch.randint(len(vocabulary), (words,), generator=g).tolist()
+    lines = (" ".join(vocabulary[i] for i in picks[at:at + 12]) + "." for at in range(0, words, 12))
+    return "\n".join(lines) + "\n"
+
+
+def make_model_folder(folder: Path) -> None:
+    """model/: a tiny Llama and its BPE tokenizer (eos <|endoftext|>); text.txt: ~300 KB."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    text = made_up_text(60_000)
+    (folder / "text.txt").write_text(text)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(text.splitlines(), trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
+                                        bos_token="<|endoftext|>")
+    eos = tokenizer.eos_token_id
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, bos_token_id=eos, eos_token_id=eos)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Path:
+    """A folder with model/ (the tiny Llama's folder) and text.txt."""
+    return made_once(tmp_path_factory, "hf-model", make_model_folder)
+
+
+def flags(hf: Path, *extra: str) -> list[str]:
+    return ["--model", str(hf / "model"), "--data", str(hf / "text.txt"), *FLAGS, *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, hf) -> Path:
+    """2 processes fine-tune the tiny Llama for 40 steps: checkpoints/ and runs/ in the folder."""
+    def train(folder: Path) -> None:
+        ok(torchrun(flags(hf), folder, timeout=300, **OFFLINE))
+
+    return made_once(tmp_path_factory, "hf-trained", train)
+
+
+def test_two_processes_fine_tune_it_and_the_loss_falls(trained):
+    losses = [m["loss"] for m in read_metrics(trained / "runs/latest")]
+    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], losses
+    final = read_metrics(trained / "runs/latest", "val_loss")[-1]
+    assert final["val_perplexity"] < len("etaoinshrdlucmfw") ** 2  # far below the start
+    done = summary(trained / "runs/latest")
+    assert done["world_size"] == 2 and done["tokens_per_s"] > 0
+
+
+def test_a_killed_worker_restarts_and_ends_bit_for_bit(trained, hf, tmp_path):
+    """torchrun --max-restarts=1: a worker SIGKILLed after the step-10 checkpoint; the restarted
+    group resumes from it and ends with the uninterrupted run's weights."""
+    command = [*torchrun_cmd(2, "--max-restarts=1"), TRAIN, "--no-progress", *flags(hf)]
+    kill_a_worker_once_saved(command, tmp_path, tmp_path / "checkpoints", step=10, **OFFLINE)
+    assert summary(tmp_path / "runs/latest")["resumed_from"]
+    assert_same_model(final_model(trained / "checkpoints"), final_model(tmp_path / "checkpoints"))
+
+
+def test_the_export_is_a_folder_transformers_loads_with_the_same_logits(trained, hf, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    newest = list_checkpoints(trained / "checkpoints")[0]  # a file, or a folder (fsdp)
+    out = tmp_path / "exported"
+    ok(run_cmd([sys.executable, "-m", "{{ cookiecutter.package_name }}.checkpoint", "export",
+                str(newest), str(out)], tmp_path, **OFFLINE))
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer("fw ta.")["input_ids"] == AutoTokenizer.from_pretrained(
+        hf / "model")("fw ta.")["input_ids"]
+    state = load_state(newest)["model"]
+    assert_same_model(state, exported.state_dict())
+    model = task.build_model(parse_args(["--model", str(hf / "model")], task.Settings))
+    model.load_state_dict(state)
+    batch = torch.randint(len(tokenizer), (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=batch).logits, model.eval()(input_ids=batch).logits)
+
+
+def test_predict_continues_each_prompt(trained, hf):
+    newest = list_checkpoints(trained / "checkpoints")[0]
+    script = Path(task.__file__).parents[1] / "scripts/predict.py"
+    result = ok(run_cmd([sys.executable, str(script), str(newest), "fw ta", "e"], trained,
+                        **OFFLINE))
+    # Each prompt, continued (a continuation may hold line breaks of its own).
+    assert result.stdout.startswith("fw ta") and "\ne" in result.stdout
+    assert len(result.stdout) > len("fw ta\ne\n") + 20
+
+
+def test_a_missing_model_folder_offline_is_one_error_line(hf, tmp_path):
+    result = torchrun(["--model", "no/such/model", "--data", str(hf / "text.txt")], tmp_path,
+                      **OFFLINE)
+    line = one_error(result)
+    assert "--model no/such/model: no such folder" in line and "HF_HUB_OFFLINE=1" in line
+    assert "hf download no/such/model --local-dir DIR" in line
+
+
+@pytest.mark.full
+@pytest.mark.fsdp
+@needs_numpy
+def test_fsdp_with_activation_checkpointing_trains_layer_by_layer(hf, tmp_path):
+    said = ok(torchrun(flags(hf, "--model-layout", "fsdp", "--activation-checkpointing"),
+                       tmp_path, timeout=300, **OFFLINE))
+    assert "note: fsdp shards" not in said.stdout  # each decoder layer a unit of its own
+    losses = [m["loss"] for m in read_metrics(tmp_path / "runs/latest")]
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert list_checkpoints(tmp_path / "checkpoints")[0].is_dir()  # fsdp's DCP folders
+
+
+def test_text_json_lines_and_folders_are_packed_with_the_end_of_text_token(tmp_path, monkeypatch):
+    """Each document followed by the end-of-text id, in windows of --seq-len + 1 ids that overlap
+    by one; ids past 65,535 (a large vocabulary's) kept whole."""
+    class LargeVocabulary:  # the fake tokenizer of a 100,000-token vocabulary
+        eos_token_id = 99_999
+
+        def __call__(self, texts: list[str], **kwargs) -> dict:
+            return {"input_ids": [[70_000 + ord(c) for c in text] for text in texts]}
+
+    monkeypatch.setattr(task, "pretrained", lambda kind, name, **kwargs: LargeVocabulary())
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data/a.txt").write_text("abc")
+    (tmp_path / "data/b.jsonl").write_text(json.dumps({"text": "de"}) + "\n\n"
+                                           + json.dumps({"text": "f", "id": 2}) + "\n")
+
+    def windows(data: Path, *extra: str) -> list[list[int]]:
+        cfg = parse_args(["--model", "m", "--data", str(data), "--seq-len", "3", *extra],
+                         task.Settings)
+        train, val = task.build_datasets(cfg)
+        assert val is None and train.tensors[0].dtype == torch.int64
+        return sorted(train.tensors[0].tolist())
+
+    a, b, c, d, e, f = (70_000 + ord(x) for x in "abcdef")
+    end = LargeVocabulary.eos_token_id
+    assert windows(tmp_path / "data", "--val-fraction", "0") == [[a, b, c, end], [end, d, e, end]]
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n["not", "an", "object"]\n')
+    with pytest.raises(UsageError, match=r"bad.jsonl: line 2 is not a JSON object with a \"text\""):
+        windows(tmp_path / "bad.jsonl")
+    with pytest.raises(UsageError, match="pass --data PATH"):
+        task.build_datasets(parse_args(["--model", "m"], task.Settings))
+    with pytest.raises(UsageError, match="pass --model PATH"):
+        task.build_model(parse_args([], task.Settings))
+
+
+def test_blocks_plan_and_sizes_come_from_the_models_folder(hf):
+    cfg = parse_args(["--model", str(hf / "model"), "--seq-len", "32"], task.Settings)
+    with torch.device("meta"):  # as doctor --plan builds it: sizes only, no weights read
+        model = task.build_model(cfg)
+    assert all(p.is_meta for p in model.parameters())
+    assert [type(b).__name__ for b in task.blocks(model)] == ["LlamaDecoderLayer"] * 2
+    plan = task.tensor_parallel_plan(model, 2)
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and len(plan) == 7
+    with pytest.raises(UsageError, match="--tp-size 4 must divide the model's 4 attention heads "
+                                         "and 2 key/value heads"):
+        task.tensor_parallel_plan(model, 4)
+    tensor_parallel = "{{ cookiecutter.package_name }}.tensor_parallel"
+    if importlib.util.find_spec(tensor_parallel):  # a bake with the layout: its own check
+        layers = importlib.import_module(tensor_parallel).task_plan(model, task, 2)
+        assert list(layers.values())[:4] == ["colwise"] * 3 + ["rowwise"] and len(layers) == 14
+    weights = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    assert task.flops_per_token(model, cfg) == 6 * weights + 12 * 2 * 4 * 8 * 32
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
