@@ -40,7 +40,7 @@ def test_the_projects_torchft_tests_pass_in_a_fresh_venv(ft_project, capsys):
     result = check_ok(env.run([env.python, "-m", "pytest", "-q", "--full", "-s", "-p",
                                "no:cacheprovider", "tests/test_fault_tolerance.py"], project,
                               timeout=900))
-    assert re.search(r"\b15 passed\b", result.stdout), result.stdout
+    assert re.search(r"\b16 passed\b", result.stdout), result.stdout
     healed = re.search(r"group 1 killed at step .*", result.stdout)
     assert healed, result.stdout
     with capsys.disabled():
