@@ -32,6 +32,7 @@ from .config import Config, parse_args
 from .data import ShardedBatchSampler
 from .failures import ProjectError, RunFailure, UsageError, report_error
 from .loop import Runtime, Trainer
+from .metrics import fingerprint
 from .optim import Optimization, schedule
 from .parallel import parallelize, unwrap
 from .replica_groups import (
@@ -142,19 +143,18 @@ class FaultTolerantOptimization(Optimization):
         self.optimizers[self.named(name)].zero_grad(set_to_none=True)
 
     def _one_model(self) -> None:
-        """torchft heals only a group that is behind: groups that trained apart for a while (a
-        lighthouse that dropped one under load) and meet again at the same step would each go on
-        with their own weights. So the groups compare a fingerprint of their state (the sum of
-        each tensor, as the largest and the smallest over the groups); where they differ, every
-        group takes the state of the quorum's first group, and says so."""
+        """torchft heals only a group that is behind: groups that trained apart (a lighthouse
+        that dropped one under load) and meet at one step would go on with their own weights. So
+        the groups compare each tensor's fingerprint (the replica check's), largest and smallest;
+        where they differ, every group takes the quorum's first group's state, and says so."""
         tensors = [t for t in [*self.module.state_dict().values(),
                                *(v for state in self.optimizers["default"].state.values()
                                  for v in state.values() if torch.is_tensor(v))]
                    if t.is_floating_point()]
-        sums = torch.stack([t.detach().double().sum() for t in tensors]).to(self._flat.device)
-        spread = torch.cat([sums, -sums])
+        marks = torch.stack([fingerprint(t) for t in tensors]).to(self._flat.device)
+        spread = torch.cat([marks, -marks])
         self.manager.allreduce(spread, reduce_op=ReduceOp.MAX).wait()
-        if self.manager.errored() or torch.equal(spread[:len(sums)], -spread[len(sums):]):
+        if self.manager.errored() or torch.equal(spread[:len(marks)], -spread[len(marks):]):
             return  # the same state (or a failed step, which is not committed)
         first = self.manager.participating_rank() == 0
         for t in tensors:  # a sum in which only the first group's values are not zero
