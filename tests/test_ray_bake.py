@@ -21,4 +21,4 @@ def test_the_ray_bake_trains_restarts_and_refuses_mistakes_on_a_real_ray_cluster
     env.pip("-e", ".[ray]", "pytest>=7", cwd=project)
     result = check_ok(env.run([env.python, "-m", "pytest", "-q", "--full", "-p", "no:cacheprovider",
                                "tests/test_ray.py"], project, timeout=900))
-    assert re.search(r"\b9 passed", result.stdout) and "skipped" not in result.stdout, result.stdout
+    assert re.search(r"\b10 passed", result.stdout) and "skipped" not in result.stdout, result.stdout

@@ -112,9 +112,17 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
+# A line of ours starts with `error:`, or argparse's `PROG: error:`; Ray puts its process before
+# it, in colour: `(RayTrainWorker pid=29166) error: ...`. Ray's own log lines carry "error:" inside
+# (`... RpcError: RPC error: Socket closed`, the cluster shutting down) and are not ours.
+ERROR_LINE = re.compile(r"^(?:\x1b\[[0-9;]*m)*(?:\((?:\w+ )?pid=\w+(?:, ip=[^)]*)?\)"
+                        r"(?:\x1b\[[0-9;]*m)*\s*)?(?:[\w./-]+: )?error:")
+
+
 def error_lines(result: subprocess.CompletedProcess) -> list[str]:
-    """The `error:` lines a failed run printed (of any rank), in order."""
-    return [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
+    """The `error:` lines a failed run printed (of any rank, or a Ray worker), in order."""
+    return [line for line in (result.stdout + result.stderr).splitlines()
+            if ERROR_LINE.match(line)]
 
 
 def one_error(result: subprocess.CompletedProcess) -> str:

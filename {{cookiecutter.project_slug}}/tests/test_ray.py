@@ -27,6 +27,7 @@ from conftest import (
     PROJECT_ROOT,
     assert_same_model,
     child_env,
+    error_lines,
     final_model,
     ok,
     one_error,
@@ -178,6 +179,20 @@ def test_a_mistake_a_worker_finds_is_one_line_and_no_restart(cluster, tmp_path):
     assert "--init-method 'bogus' is not one of" in one_error(result)
     output = result.stdout + result.stderr
     assert output.count("Started training worker group") == 1, output  # no restart
+
+
+def test_rays_own_log_lines_are_not_counted_as_errors_of_the_run():
+    # Seen in CI: the cluster's gcs_server logged this while the job shut down, after the
+    # worker's one line; counted, the one-line check failed one run in some.
+    worker = "\x1b[36m(RayTrainWorker pid=29166)\x1b[0m error: --init-method 'bogus' is not one of"
+    gcs = ("\x1b[36m(pid=gcs_server)\x1b[0m [2026-12-06 16:31:36,807 E 25278 25278] (gcs_server) "
+           "gcs_actor_scheduler.cc:538: Failed to kill actor d6b9, return status: Invalid: "
+           "KillActor RPC failed for actor d6b9: RpcError: RPC error: Socket closed rpc_code: 14")
+    argparse = "train_ray.py: error: unrecognized arguments: --epoch 3"
+    remote = "(RayTrainWorker pid=7, ip=10.0.0.2) error: rank 1: waited 60 s (--timeout-s)"
+    output = "\n".join([worker, gcs, argparse, remote])
+    result = subprocess.CompletedProcess([], 1, stdout=output, stderr="")
+    assert error_lines(result) == [worker, argparse, remote]
 
 
 def test_a_flag_typo_is_one_line_before_ray_starts(cluster, tmp_path):
