@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import pickle
 
@@ -20,7 +21,7 @@ from {{ cookiecutter.package_name }}.data import (
     validation_batches,
 )
 from {{ cookiecutter.package_name }}.failures import LostContact, RunFailure, UsageError
-from {{ cookiecutter.package_name }}.runtime.prefetch import DevicePrefetcher
+from {{ cookiecutter.package_name }}.runtime.prefetch import DevicePrefetcher, apply_to_tensors
 
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -159,6 +160,27 @@ def test_move_to_handles_nested_batches():
     batch = {"a": (torch.zeros(2), [torch.ones(1)]), "b": "text"}
     moved = move_to(batch, torch.device("cpu"))
     assert moved["b"] == "text" and torch.equal(moved["a"][1][0], torch.ones(1))
+
+
+class Output(collections.OrderedDict):
+    """As transformers' ModelOutput: a dict whose fields are attributes too."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        setattr(self, key, value)
+
+
+def test_a_models_output_keeps_its_own_type_through_the_hooks():
+    # tensor_parallel's and model_parallel_2's output hooks map the output's tensors: a loss_fn
+    # that reads `out.logits` (transformers' way) found a plain dict under tensor_parallel.
+    output = Output()
+    output["logits"] = torch.zeros(2, 3)
+    pair = collections.namedtuple("Pair", "loss logits")(torch.ones(()), torch.zeros(2))
+    mapped = apply_to_tensors({"out": output, "pair": pair, "list": [torch.ones(1)]},
+                              lambda t: t + 1)
+    assert type(mapped["out"]) is Output and torch.equal(mapped["out"].logits, torch.ones(2, 3))
+    assert type(mapped["pair"]) is type(pair) and mapped["pair"].loss.item() == 2
+    assert type(mapped["list"]) is list and torch.equal(output.logits, torch.zeros(2, 3))
 
 
 def test_on_the_cpu_nothing_is_prefetched_or_moved():

@@ -24,6 +24,7 @@ from torch import nn
 
 from .config import Config
 from .failures import UsageError
+from .runtime.prefetch import apply_to_tensors
 
 STYLES = ("colwise", "rowwise")
 
@@ -172,16 +173,15 @@ def gather_batches(model: nn.Module, group: Any, tp: int, me: int) -> None:
         return (tuple(_gather(a, rows, group) for a in args),
                 {k: _gather(v, rows, group) for k, v in kwargs.items()})
 
-    def after(module: nn.Module, args: tuple, out: Any) -> Any:
-        if isinstance(out, tuple | list):
-            return type(out)(after(module, args, o) for o in out)
-        if isinstance(out, dict):
-            return {k: after(module, args, v) for k, v in out.items()}
-        if not torch.is_tensor(out) or not out.dim():
+    def own_rows(out: torch.Tensor) -> torch.Tensor:
+        if not out.dim():
             return out
         per_row = len(out) // sum(rows)
         start = sum(rows[:me]) * per_row
         return _OwnRows.apply(out, start, rows[me] * per_row, group, tp)
+
+    def after(module: nn.Module, args: tuple, out: Any) -> Any:
+        return apply_to_tensors(out, own_rows)  # the output keeps its type (a ModelOutput)
 
     model.register_forward_pre_hook(before, with_kwargs=True)
     model.register_forward_hook(after)

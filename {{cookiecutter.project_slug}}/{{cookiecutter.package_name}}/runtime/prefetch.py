@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,11 +51,21 @@ class DevicePrefetcher:
 
 
 def apply_to_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """`fn` on every tensor of a batch: a tensor, or tuples, lists and dicts of them."""
+    """`fn` on every tensor of a batch or of a model's output: a tensor, or tuples, lists and dicts
+    of them, each kept as its own type (a namedtuple, transformers' ModelOutput, whose fields
+    loss_fn reads as attributes: `out.logits`)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes its fields
+        return type(obj)(*(apply_to_tensors(o, fn) for o in obj))
     if isinstance(obj, (tuple, list)):
         return type(obj)(apply_to_tensors(o, fn) for o in obj)
     if isinstance(obj, dict):
-        return {k: apply_to_tensors(v, fn) for k, v in obj.items()}
+        mapped = {k: apply_to_tensors(v, fn) for k, v in obj.items()}
+        if type(obj) is dict:
+            return mapped
+        same = copy.copy(obj)  # a dict class of its own: ModelOutput sets the attribute too
+        for key, value in mapped.items():
+            same[key] = value
+        return same
     return obj

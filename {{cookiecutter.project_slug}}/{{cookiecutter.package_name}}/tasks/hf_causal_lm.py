@@ -238,7 +238,7 @@ def flops_per_token(model: nn.Module, cfg: Config) -> float:
 def token_losses(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     """Each next token's cross-entropy, in float32; 16-bit logits through ChunkedCrossEntropy,
     which keeps no float32 copy of them all."""
-    logits = model(input_ids=windows[:, :-1], use_cache=False)["logits"].flatten(0, 1)
+    logits = model(input_ids=windows[:, :-1], use_cache=False).logits.flatten(0, 1)
     targets = windows[:, 1:].flatten().to(logits.device)
     if logits.dtype == torch.float32:
         return F.cross_entropy(logits, targets, reduction="none")
