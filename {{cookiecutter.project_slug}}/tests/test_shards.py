@@ -234,6 +234,16 @@ def test_text_that_is_not_utf8_or_empty_is_one_line(tmp_path):
         with pytest.raises(UsageError, match=rf"{name}: not UTF-8 text \(byte {offset}\); "
                            rf"convert it, e.g. iconv -f {was} -t utf-8 .*{name} > "):
             prepare(str(tmp_path / name), str(tmp_path / "set"), 1, progress=False)
+    # UTF-16 without its byte-order mark is valid UTF-8, full of NULs: it was prepared as that.
+    for was in ("utf-16le", "utf-16be"):
+        (tmp_path / f"{was}.txt").write_text("the cafe opens\n", encoding=was)
+        with pytest.raises(UsageError, match=rf"{was}.txt: NUL characters \(byte [01]\): UTF-16 "
+                           rf"text without a byte-order mark\? convert it, e.g. iconv -f {was} "):
+            prepare(str(tmp_path / f"{was}.txt"), str(tmp_path / "set"), 1, progress=False)
+    (tmp_path / "tokens.bin").write_bytes(bytes(range(256)))  # a token file: no advice to convert
+    with pytest.raises(UsageError, match=r"tokens.bin: a .bin file is binary \(token ids or "
+                       r"shards\), not text; give prepare the UTF-8 text it was made from"):
+        prepare(str(tmp_path / "tokens.bin"), str(tmp_path / "set"), 1, progress=False)
     (tmp_path / "empty.txt").write_text(" \n")
     with pytest.raises(UsageError, match="empty.txt: no text in it"):
         prepare(str(tmp_path / "empty.txt"), str(tmp_path / "set"), 1, progress=False)

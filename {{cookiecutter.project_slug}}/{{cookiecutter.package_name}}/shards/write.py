@@ -134,17 +134,27 @@ def tokenizer_for(files: list[Path], given: str | None, vocab_size: int) -> Any:
 
 def has_text(path: Path) -> bool:
     """Whether `path` holds more than white space; text that is not UTF-8 is one error line."""
+    if path.suffix.lower() == ".bin":  # binary: neither its bytes nor a conversion are text
+        raise UsageError(f"{path}: a .bin file is binary (token ids or shards), not text; give "
+                         "prepare the UTF-8 text it was made from, or an image folder")
     decoder, offset, seen = codecs.getincrementaldecoder("utf-8")(), 0, False
     with open(path, "rb") as f:
         while True:
             block, pending = f.read(1 << 22), len(decoder.getstate()[0])
             try:
-                seen |= bool(decoder.decode(block, final=not block).strip())
+                text = decoder.decode(block, final=not block)
             except UnicodeDecodeError as exc:  # UTF-16's byte-order mark says what it is
                 bom = offset == 0 and block[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
                 raise UsageError(f"{path}: not UTF-8 text (byte {offset - pending + exc.start}); "
                                  f"convert it, e.g. iconv -f {'utf-16' if bom else 'latin1'} -t "
                                  f"utf-8 {path} > {path.stem}-utf8.txt") from None
+            if "\0" in text:  # valid UTF-8, but no text has NULs: UTF-16 without its mark
+                at = block.index(0)
+                was = "utf-16le" if at % 2 else "utf-16be"  # ASCII's zero byte after it, or before
+                raise UsageError(f"{path}: NUL characters (byte {offset + at}): UTF-16 text "
+                                 f"without a byte-order mark? convert it, e.g. iconv -f {was} "
+                                 f"-t utf-8 {path} > {path.stem}-utf8.txt")
+            seen |= bool(text.strip())
             if not block:
                 return seen
             offset += len(block)
