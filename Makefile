@@ -16,13 +16,16 @@
 # first), trained for one short epoch and its `pytest -q` run (bench/combos.py; results in
 # bench/results/combos/; the defaults took 7 minutes on 2 cores, all of them 3-4 hours;
 # `python bench/combos.py --list` names them). Not in CI.
+# make bench-hf: one small Llama fine-tuned by a task=hf_causal_lm bake and by transformers.Trainer
+# (same folder, windows, batch, lr and steps; 2 CPU processes, or one GPU with GPU=1), alternating;
+# prints `per-step ours/Trainer: R` (bench/hf.py; Trainer's accelerate goes into bench/.venv-hf).
 # make gpu-levers: on one GPU, what each of the language-model task's levers is worth at GPT-2 small
 # in about 7 minutes (bench/levers.py; results in bench/results/levers/).
 PYTHON ?= python3
 # Installed only when `import torch` fails. Override for your platform, e.g. TORCH="torch==2.14.1".
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench gpu-check gpu-levers torch-range combos
+.PHONY: setup demo test lint bench bench-hf gpu-check gpu-levers torch-range combos
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH)"
@@ -56,6 +59,9 @@ test: setup lint
 # The generated Trainer against a raw DDP loop, DataLoader, the tutorial style and Lightning (see README).
 bench: setup
 	$(PYTHON) bench/run.py
+
+bench-hf: setup
+	$(PYTHON) bench/hf.py $(if $(GPU),--gpu)
 
 # Needs torch with CUDA, pytest and cookiecutter (or WHEELS=DIR, a folder of its wheels): no network.
 gpu-check:

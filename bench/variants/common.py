@@ -54,9 +54,8 @@ def setup(args: argparse.Namespace):
 
 def make_optimizer(params, device: torch.device | None = None) -> torch.optim.Optimizer:
     """The generated project's optimizer with its defaults (--lr 3e-3, --weight-decay 0; the fused
-    kernel on a GPU)."""
-    cuda = device is not None and device.type == "cuda"
-    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0, fused=True if cuda else None)
+    kernel, on a GPU and on the CPU)."""
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0, fused=True)
 
 
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:
