@@ -140,6 +140,9 @@ def test_careless_inputs_are_one_line(tmp_path, monkeypatch):
         prepare(str(tmp_path / "none"), str(tmp_path / "out"), 1, progress=False)
     # An image folder shipping an index.json of its own is an image folder, not a shard set.
     assert read.shard_index(str(tmp_path / "set"))
+    with pytest.raises(UsageError, match=rf"--data {tmp_path}/set/index.json is a shard set's "
+                       rf"index.json; give the set's folder: --data {tmp_path}/set$"):
+        read.shard_index(str(tmp_path / "set" / "index.json"))
     (tmp_path / "images" / "index.json").write_text('[{"file": "cat/000.png", "label": 0}]')
     assert not read.shard_index(str(tmp_path / "images"))
     for file in (tmp_path / "set").iterdir():  # a set copied into an image folder: which one?

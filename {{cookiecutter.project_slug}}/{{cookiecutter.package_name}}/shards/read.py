@@ -39,6 +39,10 @@ def shard_index(data: str | None) -> dict[str, Any] | None:
     """The index of the shard set `--data` names (a folder or URL with index.json), else None."""
     if not data:
         return None
+    if data.rstrip("/").rsplit("/", 1)[-1] == INDEX:  # the set's own file, not the set
+        folder = data.rstrip("/")[:-len(INDEX)].rstrip("/") or "."
+        raise UsageError(f"--data {storage.redact(data)} is a shard set's {INDEX}; give the "
+                         f"set's folder: --data {storage.redact(folder)}", everywhere=True)
     root = storage.location(data)
     try:  # an image folder may ship an index.json of its own; a set's names its kind
         text = (root / INDEX).read_text() if (root / INDEX).exists() else ""
