@@ -143,6 +143,12 @@ def test_careless_inputs_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match=rf"--data {tmp_path}/set/index.json is a shard set's "
                        rf"index.json; give the set's folder: --data {tmp_path}/set$"):
         read.shard_index(str(tmp_path / "set" / "index.json"))
+    shutil.copytree(tmp_path / "set", tmp_path / "edited")
+    written = (tmp_path / "edited" / "index.json").read_text()
+    for text, says in ((written[:-40], "is not JSON"), (f"[{written}]", "is not a shard set's")):
+        (tmp_path / "edited" / "index.json").write_text(text)
+        with pytest.raises(UsageError, match=f"edited: its index.json {says} .*prepare the shard"):
+            read.shard_index(str(tmp_path / "edited"))
     (tmp_path / "images" / "index.json").write_text('[{"file": "cat/000.png", "label": 0}]')
     assert not read.shard_index(str(tmp_path / "images"))
     for file in (tmp_path / "set").iterdir():  # a set copied into an image folder: which one?

@@ -61,7 +61,14 @@ def shard_index(data: str | None) -> dict[str, Any] | None:
                 f"an unfinished shard set (no {INDEX}: its prepare stopped)")
         raise UsageError(f"--data {storage.redact(data)}: {what}; write one with python -m "
                          f"{__package__} SOURCE {storage.redact(data)}", everywhere=True)
-    index = json.loads(text) if found else None
+    try:
+        index = json.loads(text) if found else None
+    except ValueError as exc:  # cut short, or edited by hand
+        raise UsageError(f"--data {storage.redact(data)}: its {INDEX} is not JSON ({exc}); "
+                         "prepare the shard set again", everywhere=True) from None
+    if index is not None and not isinstance(index, dict):
+        raise UsageError(f"--data {storage.redact(data)}: its {INDEX} is not a shard set's "
+                         "(a JSON object); prepare the shard set again", everywhere=True)
     if index and index.get("checksum", index_checksum(index)) != index_checksum(index):
         raise UsageError(f"--data {storage.redact(data)}: {INDEX} was edited after prepare wrote "
                          "it (what it says no longer has its checksum: a shard dropped, the "
