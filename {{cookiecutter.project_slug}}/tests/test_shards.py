@@ -128,6 +128,12 @@ def test_careless_inputs_are_one_line(tmp_path, monkeypatch):
         with pytest.raises(UsageError, match=r"index.json gives shard 00000 \d+ samples, its "
                                              r"files hold \d+ \(index.json edited\?\); prepare"):
             ShardSet(cfg.data, cfg, "train", as_stored)
+    samples = index["shards"][0]["samples"]  # a count written as a string: "gives 53, hold 53"
+    wrong = {**index, "shards": [{**index["shards"][0], "samples": str(samples)}]}
+    wrong["checksum"] = index_checksum(wrong)
+    (tmp_path / "set" / "index.json").write_text(json.dumps(wrong))
+    with pytest.raises(UsageError, match=rf"gives shard 00000 '{samples}' samples, not a whole "):
+        ShardSet(cfg.data, cfg, "train", as_stored)
     (tmp_path / "set" / "index.json").write_text(json.dumps(index))
     (tmp_path / "set" / "00001.idx").unlink()
     with pytest.raises(UsageError, match="shard file 00001.idx is missing .* prepare the shard "):

@@ -73,6 +73,12 @@ def shard_index(data: str | None) -> dict[str, Any] | None:
         raise UsageError(f"--data {storage.redact(data)}: {INDEX} was edited after prepare wrote "
                          "it (what it says no longer has its checksum: a shard dropped, the "
                          "classes reordered?); prepare the shard set again", everywhere=True)
+    for shard in (index or {}).get("shards", []):  # "53" * 24 is a string, not a size
+        if type(shard.get("samples")) is not int:
+            raise UsageError(f"--data {storage.redact(data)}: {INDEX} gives shard "
+                             f"{shard.get('name')} {shard.get('samples')!r} samples, not a whole "
+                             f"number ({INDEX} edited?); prepare the shard set again",
+                             everywhere=True)
     return index
 
 
