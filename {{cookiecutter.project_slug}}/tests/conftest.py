@@ -112,15 +112,15 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
-# A line of ours starts with `error:`, or argparse's `PROG: error:`; Ray puts its process before
-# it, in colour: `(RayTrainWorker pid=29166) error: ...`. Ray's own log lines carry "error:" inside
-# (`... RpcError: RPC error: Socket closed`, the cluster shutting down) and are not ours.
+# A line of ours starts with `error:`, or argparse's `PROG: error:`; a launcher may put the worker
+# before it, in colour: `(TrainWorker pid=29166) error: ...`. A cluster's own log lines that carry
+# "error:" inside (`... RpcError: RPC error: Socket closed`, as it shuts down) are not ours.
 ERROR_LINE = re.compile(r"^(?:\x1b\[[0-9;]*m)*(?:\((?:\w+ )?pid=\w+(?:, ip=[^)]*)?\)"
                         r"(?:\x1b\[[0-9;]*m)*\s*)?(?:[\w./-]+: )?error:")
 
 
 def error_lines(result: subprocess.CompletedProcess) -> list[str]:
-    """The `error:` lines a failed run printed (of any rank, or a Ray worker), in order."""
+    """The `error:` lines a failed run printed (of any rank or worker), in order."""
     return [line for line in (result.stdout + result.stderr).splitlines()
             if ERROR_LINE.match(line)]
 
