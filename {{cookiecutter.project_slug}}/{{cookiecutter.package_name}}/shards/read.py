@@ -35,10 +35,11 @@ TRIES = 4  # a failing download is tried this often, pauses growing, all within 
 TOKENS = {"uint16": torch.uint16, "int32": torch.int32}  # a token set's "dtype" in index.json
 
 
-def shard_index(data: str | None) -> dict[str, Any] | None:
+def shard_index(data: str | Path | None) -> dict[str, Any] | None:
     """The index of the shard set `--data` names (a folder or URL with index.json), else None."""
     if not data:
         return None
+    data = str(data)  # a URL, or a path (images.class_folders gives a Path)
     if data.rstrip("/").rsplit("/", 1)[-1] == INDEX:  # the set's own file, not the set
         folder = data.rstrip("/")[:-len(INDEX)].rstrip("/") or "."
         raise UsageError(f"--data {storage.redact(data)} is a shard set's {INDEX}; give the "
