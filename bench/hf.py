@@ -25,29 +25,19 @@ import statistics
 import subprocess
 import sys
 import time
-import venv
 from pathlib import Path
 
+from run import WARMUP_STEPS, bake, venv_python
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 RESULTS = HERE / "results" / "hf"
 SEQ_LEN, BATCH, LR = 128, 8, 3e-4
-WARMUP_STEPS = 20  # as the project's StepClock: allocators and DDP's buckets warm up
 
 
 def hf_python() -> str:
     """bench/.venv-hf's Python: the system's torch and transformers, plus accelerate (Trainer's)."""
-    env_dir = HERE / ".venv-hf"
-    python = env_dir / "bin" / "python"
-    if not python.exists():
-        print("installing accelerate into bench/.venv-hf (uses the torch already installed)")
-        venv.create(env_dir, system_site_packages=True, with_pip=True)
-    check = subprocess.run([str(python), "-c", "import accelerate, transformers, tokenizers"],
-                           capture_output=True)
-    if check.returncode != 0:
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "accelerate",
-                        "transformers>=5", "tokenizers"], check=True)
-    return str(python)
+    return venv_python(".venv-hf", "accelerate, transformers, tokenizers",
+                       ["accelerate", "transformers>=5", "tokenizers"])
 
 
 MAKE_MODEL = """
@@ -79,13 +69,6 @@ torch.manual_seed(0)
 AutoModelForCausalLM.from_config(config).save_pretrained(folder / "model")
 tokenizer.save_pretrained(folder / "model")
 """
-
-
-def bake(folder: Path) -> Path:
-    shutil.rmtree(folder, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "cookiecutter", "--no-input", "-o", str(folder),
-                    str(ROOT), "task=hf_causal_lm"], check=True, stdout=subprocess.DEVNULL)
-    return folder / "ddp-project"
 
 
 def flags(data: Path, steps: int, gpu: bool) -> list[str]:
@@ -146,7 +129,7 @@ def main() -> int:
                      f"{WARMUP_STEPS} are not timed)")
     python = hf_python()
     args.out.mkdir(parents=True, exist_ok=True)
-    project = bake(args.out / "baked")
+    project = bake(args.out / "baked", "hf_causal_lm")
     data = args.out / "data"
     if not (data / "model" / "config.json").exists():
         data.mkdir(parents=True, exist_ok=True)

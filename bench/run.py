@@ -95,16 +95,22 @@ def write_images(folder: Path, count: int) -> Path:
     return folder
 
 
-def lightning_python() -> str:
-    env_dir = HERE / ".venv-lightning"
+def venv_python(name: str, modules: str, packages: list[str]) -> str:
+    """bench/<name>'s Python: a venv over the torch already installed, with `packages` installed
+    unless `modules` import there already (never in the template or in a project)."""
+    env_dir = HERE / name
     python = env_dir / "bin" / "python"
     if not python.exists():
-        print("installing pytorch-lightning into bench/.venv-lightning (uses the torch already installed)")
+        print(f"installing {' '.join(packages)} into bench/{name} (uses the torch already installed)")
         venv.create(env_dir, system_site_packages=True, with_pip=True)
-    check = subprocess.run([str(python), "-c", "import pytorch_lightning"], capture_output=True)
+    check = subprocess.run([str(python), "-c", f"import {modules}"], capture_output=True)
     if check.returncode != 0:
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "pytorch-lightning"], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)
     return str(python)
+
+
+def lightning_python() -> str:
+    return venv_python(".venv-lightning", "pytorch_lightning", ["pytorch-lightning"])
 
 
 def variant_env(project: Path) -> dict[str, str]:
