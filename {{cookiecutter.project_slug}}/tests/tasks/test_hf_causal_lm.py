@@ -178,6 +178,60 @@ def test_fsdp_with_activation_checkpointing_trains_layer_by_layer(hf, tmp_path):
     assert list_checkpoints(tmp_path / "checkpoints")[0].is_dir()  # fsdp's DCP folders
 
 
+def test_a_shard_set_prepared_with_the_models_tokenizer_trains(hf, tmp_path):
+    """prepare --tokenizer MODEL stores the model's own ids (no start token a line, its
+    end-of-text token after each file), 2 processes fine-tune on the set, and a set another
+    tokenizer made is one line before the first step."""
+    from transformers import AutoTokenizer
+
+    from {{ cookiecutter.package_name }}.shards.write import prepare
+
+    index = prepare(str(hf / "text.txt"), str(tmp_path / "set"), 0.1, str(hf / "model"),
+                    progress=False)
+    assert index["dtype"] == "uint16" and len(index["shards"]) > 1
+    tokenizer = AutoTokenizer.from_pretrained(hf / "model")
+    expected = tokenizer((hf / "text.txt").read_text(), add_special_tokens=False)["input_ids"]
+    stored = b"".join((tmp_path / "set" / f"{shard['name']}.bin").read_bytes()
+                      for shard in index["shards"])
+    assert torch.frombuffer(bytearray(stored), dtype=torch.uint16).tolist() == [
+        *expected, tokenizer.eos_token_id]
+    ok(torchrun(["--model", str(hf / "model"), "--data", str(tmp_path / "set"), *FLAGS[:2],
+                 "--batch-size", "16", "--max-steps", "20", "--log-every", "10", "--lr", "0.003"],
+                tmp_path, timeout=300, **OFFLINE))
+    losses = [m["loss"] for m in read_metrics(tmp_path / "runs/latest")]
+    assert len(losses) == 2 and losses[-1] < 0.8 * losses[0], losses
+    prepare(str(hf / "text.txt"), str(tmp_path / "other"), 0.1, None, 400, progress=False)
+    with pytest.raises(UsageError, match=r"other: its tokens are another tokenizer's \(\d+ "
+                                         r"tokens\) than --model's \(320\); prepare it with "
+                                         r"the model's tokenizer: python -m .*--tokenizer "):
+        task.build_datasets(parse_args(["--model", str(hf / "model"), "--data",
+                                        str(tmp_path / "other")], task.Settings))
+
+
+def test_a_vocabulary_past_65535_is_stored_and_read_whole(tmp_path):
+    """A model folder whose tokenizer has 70,000 tokens: prepare stores int32 ids, and the task's
+    windows hold the ids past 65,535 as they are."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from {{ cookiecutter.package_name }}.shards.write import prepare
+
+    words = {f"w{i}": i for i in range(70_000)}
+    word_level = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="w69999").save_pretrained(
+        tmp_path / "model")
+    (tmp_path / "text.txt").write_text(" ".join(f"w{65_530 + i}" for i in range(30)))
+    assert prepare(str(tmp_path / "text.txt"), str(tmp_path / "set"), 1, str(tmp_path / "model"),
+                   progress=False)["dtype"] == "int32"
+    cfg = parse_args(["--model", str(tmp_path / "model"), "--data", str(tmp_path / "set"),
+                      "--seq-len", "10", "--val-fraction", "0"], task.Settings)
+    train, val = task.build_datasets(cfg)
+    assert val is None and [train[i].tolist() for i in range(len(train))] == [
+        [65_530 + i for i in range(11)], [65_540 + i for i in range(11)],
+        [*range(65_550, 65_560), 69_999]]
+
+
 def test_text_json_lines_and_folders_are_packed_with_the_end_of_text_token(tmp_path, monkeypatch):
     """Each document followed by the end-of-text id, in windows of --seq-len + 1 ids that overlap
     by one; ids past 65,535 (a large vocabulary's) kept whole."""

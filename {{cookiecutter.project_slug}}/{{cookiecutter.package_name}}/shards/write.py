@@ -2,13 +2,15 @@
 
 SRC is an image folder (one sub-folder per class) or text (a file, or a folder of text files).
 Images are stored as their files' bytes, shuffled once here: each shard holds every class. Text is
-tokenized by a byte-level BPE (`--tokenizer FILE`, a Hugging Face tokenizer.json, or one trained on
-SRC here, offline). Shards are written locally, then moved or uploaded whole; `index.json` last."""
+tokenized by `--tokenizer PATH` (a Hugging Face tokenizer.json, or a model folder's: its ids and
+end-of-text token) or by a byte-level BPE trained on SRC here, offline. Shards are written
+locally, then moved or uploaded whole; `index.json` last."""
 
 from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import json
 import random
 import shutil
@@ -111,16 +113,20 @@ def write_images(source: Path, writer: Writer, progress: bool) -> dict[str, Any]
     return {"kind": "images", "classes": classes}
 
 
-def tokenizer_for(files: list[Path], given: str | None, vocab_size: int) -> Any:
-    """The byte-level BPE tokenizer: from `given`, or trained on `files` (offline)."""
+def tokenizer_for(files: list[Path], given: str | None, vocab_size: int) -> tuple[Any, str]:
+    """The tokenizer and the token between documents: `given`'s (a tokenizer.json, or a model's
+    folder with one, whose end-of-text token it uses), or a byte-level BPE trained on `files`."""
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError:
         raise UsageError('text shards need Hugging Face tokenizers: pip install -e ".[shards]"'
                          ) from None
     if given:
+        file, eot = Path(given), EOT
+        if file.is_dir():  # a model's folder, as save_pretrained writes it
+            file, eot = file / TOKENIZER, end_of_text(file)
         try:
-            return Tokenizer.from_file(given)
+            return Tokenizer.from_file(str(file)), eot
         except Exception as exc:
             raise UsageError(f"--tokenizer {given}: cannot load it ({exc})") from None
     tokenizer = Tokenizer(models.BPE())
@@ -129,7 +135,23 @@ def tokenizer_for(files: list[Path], given: str | None, vocab_size: int) -> Any:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train([str(f) for f in files], trainer)
-    return tokenizer
+    return tokenizer, EOT
+
+
+def end_of_text(folder: Path) -> str:
+    """A model folder's end-of-text token (its tokenizer's eos_token), which joins documents."""
+    if not (folder / TOKENIZER).exists():
+        raise UsageError(f"--tokenizer {folder}: no {TOKENIZER} in it (a fast tokenizer's "
+                         "file); write one: AutoTokenizer.from_pretrained(FOLDER)"
+                         ".save_pretrained(FOLDER)")
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            eos = json.loads((folder / name).read_text()).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            if isinstance(eos, str):
+                return eos
+    raise UsageError(f"--tokenizer {folder}: its tokenizer names no end-of-text token "
+                     "(eos_token) to join documents with; set one in its tokenizer_config.json")
 
 
 def has_text(path: Path) -> bool:
@@ -167,15 +189,15 @@ def chunks(path: Path, size: int = 1 << 22) -> Iterator[list[str]]:
             yield lines
 
 
-def write_tokens(files: list[Path], writer: Writer, tokenizer: Any, tmp: Path,
+def write_tokens(files: list[Path], writer: Writer, tokenizer: Any, end: str, tmp: Path,
                  progress: bool) -> dict[str, Any]:
     vocab = tokenizer.get_vocab_size()
     code = "H" if vocab <= 2**16 else "i"  # uint16 or int32 per token
-    eot = [i for i in [tokenizer.token_to_id(EOT)] if i is not None]
+    eot = [i for i in [tokenizer.token_to_id(end)] if i is not None]
     for path in tqdm(files, "text files", disable=not progress):
-        for lines in chunks(path):
-            writer.add_tokens(array(code, [i for e in tokenizer.encode_batch(lines)
-                                           for i in e.ids]).tobytes())
+        for lines in chunks(path):  # no BOS a line: a model's tokenizer may add one
+            encoded = tokenizer.encode_batch(lines, add_special_tokens=False)
+            writer.add_tokens(array(code, [i for e in encoded for i in e.ids]).tobytes())
         writer.add_tokens(array(code, eot).tobytes())
     writer.close_shard()
     tokenizer.save(str(tmp / TOKENIZER))
@@ -225,7 +247,7 @@ def prepare(source: str, dest: str, shard_mb: float, tokenizer: str | None = Non
                 raise UsageError(f"{src}: no text in it (empty); give text, UTF-8")
             if len(texts) < len(files):
                 print(f"note: left out {len(files) - len(texts)} empty text files", file=sys.stderr)
-            index = write_tokens(texts, writer, tokenizer_for(texts, tokenizer, vocab_size),
+            index = write_tokens(texts, writer, *tokenizer_for(texts, tokenizer, vocab_size),
                                  Path(tmp), progress)
         index = {"format": 1, "source": made_from, **index, "shards": writer.shards}
         index["checksum"] = index_checksum(index)  # read.shard_index checks it
@@ -246,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "file or a folder of text files (*.txt)")
     parser.add_argument("dest", help="a folder or a URL (s3://bucket/prefix)")
     parser.add_argument("--shard-mb", type=float, default=64, help="about this much per shard")
-    parser.add_argument("--tokenizer", metavar="FILE", help="text: this tokenizer file instead "
-                                                             "of one trained on SOURCE")
+    parser.add_argument("--tokenizer", metavar="PATH", help="text: this tokenizer file, or a "
+                        "model folder's tokenizer, instead of one trained on SOURCE")
     parser.add_argument("--vocab-size", type=int, default=8192,
                         help="text: the vocabulary of the tokenizer trained on SOURCE")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -7,6 +7,8 @@ Fine-tuned on your text (`--from-scratch`: fresh weights of its config) by next-
 cross-entropy, scored by perplexity. `--data` is a text file, a JSON-lines file (a "text" field
 a line) or a folder of them, tokenized with the model's tokenizer: documents joined by its
 end-of-text token, packed into windows of --seq-len + 1 token ids (int64: any vocabulary).
+Text larger than memory, or in a bucket: a shard set written with the model's tokenizer,
+`python -m {{ cookiecutter.package_name }}.shards TEXT SET --tokenizer FOLDER`, then --data SET.
 `python -m {{ cookiecutter.package_name }}.checkpoint export CHECKPOINT FOLDER` writes a folder
 transformers loads (save_pretrained below).
 All processes run this: print once under `if not dist.is_initialized() or dist.get_rank() == 0`.
@@ -29,21 +31,19 @@ Optional:
     configure_optimizer(model, cfg)        an optimizer (default: AdamW), (optimizer, scheduler)
                                            or {name: either} over parts of the model
     train_step(step, batch) -> dict        a step of your own (docs/custom-step.md)
+    TEST_FLAGS: list[str]                  flags for a few quick steps in the tests' kill and
+                                           resume (default: none, this file's defaults)
 """
 
 from __future__ import annotations
 
-import contextlib
-import fnmatch
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
@@ -51,7 +51,9 @@ from torch.utils.data import Dataset
 from .cross_entropy import ChunkedCrossEntropy
 from .data import InMemoryDataset, split_for_validation
 from .failures import UsageError
+from .hf import check_shard_set, plan_from_config, pretrained, save_folder
 from .settings import setting
+from .shards.read import shard_index, shard_parts
 
 if TYPE_CHECKING:  # for the type hints only
     from .config import Config
@@ -77,31 +79,6 @@ def model_name(cfg: Config) -> str:
                          "folder as save_pretrained writes it (config.json, weights, tokenizer)",
                          everywhere=True)
     return cfg.task.model
-
-
-def pretrained(kind: str, name: str, **kwargs: Any) -> Any:
-    """transformers' `kind`.from_pretrained(name) (AutoConfig, AutoTokenizer, ...), whose messages
-    and progress bars only rank 0 shows; a name it cannot find is one line saying how to get it."""
-    import transformers
-    from transformers.utils import logging
-
-    if dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0") or 0):
-        logging.set_verbosity_error()
-        logging.disable_progress_bar()
-    try:
-        return getattr(transformers, kind).from_pretrained(name, **kwargs)
-    except (OSError, ValueError) as exc:
-        if Path(name).is_dir():  # there, but not a model folder transformers reads
-            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise UsageError(f"--model {name}: cannot load it ({why})", everywhere=True) from None
-        if not isinstance(exc, OSError):
-            raise
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-        hub = ("the Hugging Face hub is off (HF_HUB_OFFLINE=1)" if offline
-               else "the Hugging Face hub did not give it")
-        raise UsageError(f"--model {name}: no such folder, and {hub}: on a machine with network "
-                         f"run `hf download {name} --local-dir DIR`, copy DIR here and pass "
-                         "--model DIR", everywhere=True) from None
 
 
 # ---------------------------------------------------------------------- data
@@ -161,6 +138,9 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     if not cfg.data:
         raise UsageError("this task trains on your text: pass --data PATH, a .txt file, a .jsonl "
                          "file (a \"text\" field a line) or a folder of them", everywhere=True)
+    if index := shard_index(cfg.data):  # prepared with --tokenizer MODEL (docs/data.md)
+        check_shard_set(cfg.data, index, model_name(cfg))
+        return shard_parts(cfg, index, seq_len=cfg.task.seq_len)
     data = InMemoryDataset(token_windows(cfg))
     train, val = split_for_validation(len(data), int(len(data) * cfg.val_fraction), cfg.seed)
     return data.subset(train), data.subset(val) if len(val) else None
@@ -189,31 +169,9 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
-    """The plan in the model's config (transformers' `base_model_tp_plan`): its colwise and
-    rowwise entries, under the base model's name ("model.layers.*.mlp.up_proj"); the others
-    (transformers' own styles) left out."""
-    config = model.config
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
-    kv_heads = kv_heads or heads
-    if heads % tp_size or kv_heads % tp_size:
-        raise UsageError(f"--tp-size {tp_size} must divide the model's {heads} attention heads "
-                         f"and {kv_heads} key/value heads (each rank computes whole heads)",
-                         everywhere=True)
-    prefix = model.base_model_prefix
-    base = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
-    modules = dict(model.named_modules())
-    plan = {}
-    for pattern, style in (getattr(config, "base_model_tp_plan", None) or {}).items():
-        names = [n for n in modules if fnmatch.fnmatchcase(n, base + pattern)]
-        if style in ("colwise", "rowwise") and names and all(
-                isinstance(modules[n], nn.Linear) for n in names):
-            plan[base + pattern] = style
-    if not plan:
-        raise UsageError(f"{type(model).__name__}: its config has no tensor-parallel plan of "
-                         "colwise and rowwise linear layers (base_model_tp_plan): write "
-                         "tensor_parallel_plan(model, tp_size) in task.py, returning {module "
-                         "path: 'colwise' or 'rowwise'} (docs/performance.md)", everywhere=True)
-    return plan
+    """The plan the model's config carries (`base_model_tp_plan`: q, k, v, gate and up colwise,
+    o and down rowwise); a model without one: write yours here (docs/performance.md)."""
+    return plan_from_config(model, tp_size)
 
 
 def tokens_per_sample(cfg: Config) -> int:
@@ -283,16 +241,4 @@ def save_pretrained(model_state: dict[str, torch.Tensor], cfg: Config, folder: P
     """A checkpoint's model as a folder `AutoModelForCausalLM.from_pretrained(folder)` and
     `AutoTokenizer.from_pretrained(folder)` load: the weights as trained (safetensors), the
     --model folder's config, tokenizer and generation settings."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    name = model_name(cfg)
-    config = pretrained("AutoConfig", name)
-    with torch.device("meta"):  # no memory until the checkpoint's tensors are assigned
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(model_state, assign=True)
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
-    with contextlib.suppress(OSError):  # else transformers' defaults for this config
-        model.generation_config = GenerationConfig.from_pretrained(name)
-    model.save_pretrained(folder)
-    pretrained("AutoTokenizer", name).save_pretrained(folder)
+    save_folder(model_state, model_name(cfg), folder)
