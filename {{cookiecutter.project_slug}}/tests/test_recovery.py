@@ -5,7 +5,9 @@ Every test runs real 2-process gloo jobs and kills real processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -80,10 +82,51 @@ def reference(tmp_path_factory) -> dict:
     return final_model(workdir / "checkpoints")
 
 
+def your_task_flags() -> list[str]:
+    """8 steps of task.py as it is: its defaults, or the flags its TEST_FLAGS names (a small model,
+    a sample of your data); skips, saying why, where those cannot train."""
+    from {{ cookiecutter.package_name }} import task
+    from {{ cookiecutter.package_name }}.config import parse_args
+
+    named = list(getattr(task, "TEST_FLAGS", []))
+    flags = [*named, "--max-steps", "8", "--save-every-steps", "2", "--keep-last", "0",
+             "--log-every", "1000"]
+    try:
+        task.build_datasets(parse_args(flags, getattr(task, "Settings", None)))
+    except (Exception, SystemExit) as exc:
+        why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        pytest.skip(f"task.py does not train with {named or 'its defaults'} ({why}): name the "
+                    "flags of a few quick steps in task.py's TEST_FLAGS")
+    return flags
+
+
+@pytest.mark.quick  # the default tier's real kill and resume, of the task.py you have
+def test_your_task_resumes_bit_for_bit_after_a_sigkill(tmp_path):
+    """A run of task.py's own (your_task_flags) loses a worker to SIGKILL once its checkpoint of
+    step 2 is written, resumes from that checkpoint (the later ones, if the kill came after
+    them, removed), and ends with the weights of a run never killed."""
+    flags, whole, killed = your_task_flags(), tmp_path / "whole", tmp_path / "killed"
+    whole.mkdir(), killed.mkdir()
+    ok(torchrun(flags, whole, timeout=300))
+    job = subprocess.Popen([*torchrun_cmd(2), TRAIN, "--no-progress", *flags], cwd=killed,
+                           env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    while job.poll() is None and not [p for p in list_checkpoints(killed / "checkpoints")
+                                      if p.name >= ckpt_name(2)]:
+        time.sleep(0.01)
+    with contextlib.suppress(OSError, KeyError):  # unless the run ended first (a quick task)
+        os.kill(workers(job.pid)[1], signal.SIGKILL)
+    job.communicate(timeout=120)
+    for later in [p for p in list_checkpoints(killed / "checkpoints") if p.name > ckpt_name(2)]:
+        shutil.rmtree(later) if later.is_dir() else later.unlink()
+    assert newest_step(killed / "checkpoints") == 2
+    assert "step 2)" in ok(torchrun(flags, killed, timeout=300)).stdout
+    assert_same_model(final_model(whole / "checkpoints"),
+                      final_model(killed / "checkpoints"))
+
+
 # Rank 1 killed, torchrun restarting it: test_torchrun_restarts_a_killed_worker_and_finishes.
-@pytest.mark.parametrize("kill_after, rank", [
-    pytest.param(20, 0, marks=pytest.mark.quick),  # the default tier's real kill and resume
-    ], ids=["mid-epoch-rank0"])
+@pytest.mark.parametrize("kill_after, rank", [(20, 0)], ids=["mid-epoch-rank0"])
 def test_sigkill_then_resume_is_bit_for_bit(workdir, reference, kill_after, rank):
     job = start_torchrun(workdir)
     wait_for_checkpoint(workdir / "checkpoints", kill_after)

@@ -25,6 +25,8 @@ Optional:
     configure_optimizer(model, cfg)        an optimizer (default: AdamW), (optimizer, scheduler)
                                            or {name: either} over parts of the model
     train_step(step, batch) -> dict        a step of your own (docs/custom-step.md)
+    TEST_FLAGS: list[str]                  flags for a few quick steps in the tests' kill and
+                                           resume (default: none, this file's defaults)
 """
 
 from __future__ import annotations
