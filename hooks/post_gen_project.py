@@ -49,6 +49,10 @@ def main() -> None:
         remove(package / "cross_entropy.py")
     if task != "classification":  # its image files' reading
         remove(package / "images.py")
+    if task != "hf_causal_lm":  # transformers' side of it
+        remove(package / "hf.py")
+    if task != "language_model":  # its --data files: text, or nanoGPT's token ids
+        remove(package / "text_files.py")
     remove(root / "tests" / "tasks")
     presets = {"example.toml"} | ({"gpt2-small.toml"} if task == "language_model" else set())
     for path in (root / "configs").glob("*.toml"):

@@ -117,9 +117,10 @@ def expected_files(package: str, answers: dict) -> set[str]:
         "__init__", "backstop", "comm_hooks", "environments", "launch", "lifeline", "nccl", "network", "prefetch",
         "rendezvous", "torch_private", "trackers", "workarounds", "workers")}
     if answers.get("task") == "language_model":
-        files |= {"configs/gpt2-small.toml", f"{package}/cross_entropy.py"}
+        files |= {"configs/gpt2-small.toml", f"{package}/cross_entropy.py",
+                  f"{package}/text_files.py"}
     if answers.get("task") == "hf_causal_lm":
-        files.add(f"{package}/cross_entropy.py")
+        files |= {f"{package}/cross_entropy.py", f"{package}/hf.py"}
     if answers.get("task", "classification") == "classification":
         files.add(f"{package}/images.py")
     if answers.get("model_layout") == "tensor_parallel":

@@ -83,6 +83,40 @@ def test_nanogpt_token_files_are_read_as_uint16_ids(tmp_path):
         task.predict(None, ["a prompt"], cfg)  # ids this project cannot turn into text
 
 
+def test_what_a_token_file_cannot_hold_is_one_line_before_the_first_step(tmp_path):
+    """nanoGPT's format is uint16 ids and nothing else: 32-bit ids, a text file named .bin and an
+    odd byte count are each one line (each trained garbage before); .BIN is a token file too."""
+    ids = list(range(100, 1100))
+    (tmp_path / "upper.BIN").write_bytes(array("H", ids).tobytes())
+    assert task.TextWindows(tmp_path / "upper.BIN", 64, 2048)[1].tolist() == ids[64:129]
+    (tmp_path / "int32.bin").write_bytes(array("i", ids).tobytes())
+    with pytest.raises(UsageError, match=r"int32.bin: every second uint16 is 0: 32- or 64-bit "
+                                         r"token ids, not uint16; write uint16 ids, as nanoGPT "
+                                         r"does: np.array\(ids, dtype=np.uint16\)"):
+        task.TextWindows(tmp_path / "int32.bin", 64, 2048)
+    (tmp_path / "notes.bin").write_text("the quick brown fox jumps over the lazy dog.\n" * 50)
+    with pytest.raises(UsageError, match=r"notes.bin: text, not token ids \(a .bin file holds "
+                                         r"uint16 ids\); rename it notes.txt"):
+        task.TextWindows(tmp_path / "notes.bin", 64, 50304)
+    (tmp_path / "odd.bin").write_bytes(array("H", ids).tobytes() + b"\x01")
+    with pytest.raises(UsageError, match="odd.bin: 2001 bytes, an odd number: not whole uint16"):
+        task.TextWindows(tmp_path / "odd.bin", 64, 2048)
+
+
+def test_a_token_file_replaced_between_runs_is_not_resumed_as_the_same(tmp_path):
+    """The checkpoint records the .bin file's size and checksum: other ids at the same path (a
+    file written again) are one line, not a resume at the old file's position."""
+    ids = torch.randint(256, (3000,), generator=torch.Generator().manual_seed(0))
+    (tmp_path / "train.bin").write_bytes(array("H", ids.tolist()).tobytes())
+    flags = ["--data", "train.bin", "--max-steps", "4", "--save-every-steps", "2"]
+    ok(python_train([*flags, "--max-steps", "2"], tmp_path))
+    (tmp_path / "train.bin").write_bytes(array("H", ids.flip(0).tolist()).tobytes())
+    line = one_error(python_train(flags, tmp_path))
+    assert "was trained on --data train.bin: 6000 bytes, sha256 " in line
+    assert "give that file again, --resume weights-only to go on from its weights" in line
+    ok(python_train([*flags, "--resume", "weights-only"], tmp_path))
+
+
 def test_a_file_shorter_than_two_windows_is_one_error_line(workdir):
     (workdir / "tiny.txt").write_bytes(b"too short")
     result = torchrun(["--data", "tiny.txt", "--epochs", "1"], workdir)

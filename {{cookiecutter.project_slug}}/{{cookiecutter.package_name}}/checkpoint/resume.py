@@ -139,11 +139,17 @@ def restore_position(meta: dict[str, Any], cfg: Config, world_size: int, batches
                      path: Path, say: bool, data: dict[str, Any]) -> tuple[int, int, int]:
     """(epoch, batch of the epoch, step) to go on from. From another world or batch size: after
     the same number of samples; if the data shrank below that: the next epoch. Refused: `data`
-    (the training set's summary) of another tokenizer, or mid-epoch of another shuffle window."""
+    (the training set's summary) of another tokenizer or token file, or mid-epoch of another
+    shuffle window."""
     epoch, batch, step = meta["epoch"], meta["batch_in_epoch"], meta["step"]
     if (saved := meta.get("data", {}).get("tokenizer")) and saved != data.get("tokenizer"):
         raise UsageError(f"{path} was trained on tokens of another tokenizer than --data's; use "
                          "--data with its shard set, or --resume never", everywhere=True)
+    if (saved := meta.get("data", {}).get("file")) and saved != data.get("file"):  # a .bin's
+        raise UsageError(f"{path} was trained on --data {saved}, not on this one "
+                         f"({data.get('file', 'another kind of data')}); give that file again, "
+                         "--resume weights-only to go on from its weights, or --resume never",
+                         everywhere=True)
     per_batch = cfg.batch_size * world_size
     if (meta["world_size"], meta["batch_size"]) != (world_size, cfg.batch_size):
         seen = meta["samples_in_epoch"]

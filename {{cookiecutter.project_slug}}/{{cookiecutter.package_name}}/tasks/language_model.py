@@ -27,13 +27,14 @@ Optional:
     configure_optimizer(model, cfg)        an optimizer (default: AdamW), (optimizer, scheduler)
                                            or {name: either} over parts of the model
     train_step(step, batch) -> dict        a step of your own (docs/custom-step.md)
+    TEST_FLAGS: list[str]                  flags for a few quick steps in the tests' kill and
+                                           resume (default: none, this file's defaults)
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +49,7 @@ from .failures import UsageError, local_rank_from_env, warn
 from .settings import setting
 from .shards import TOKENIZER
 from .shards.read import shard_index, shard_parts
+from .text_files import Part, TextWindows
 
 if TYPE_CHECKING:  # for the type hints only
     from .config import Config
@@ -87,45 +89,6 @@ def synthetic_text(windows: int, seq_len: int, seed: int) -> InMemoryDataset:
     return InMemoryDataset(tokens[starts[:, None] + torch.arange(seq_len + 1)])
 
 
-class TextWindows(Dataset):
-    """A file cut into windows of seq_len + 1 tokens (inputs and next-token targets): a text's
-    bytes, or a .bin file's uint16 token ids (nanoGPT's); each window is read when asked for."""
-
-    def __init__(self, path: str | Path, seq_len: int, vocab: int = 256) -> None:
-        self.path, self.seq_len, self.vocab = Path(path), seq_len, vocab
-        self.width = 2 if self.path.suffix == ".bin" else 1  # bytes a token
-        size = self.path.stat().st_size
-        self.windows = (size // self.width - 1) // seq_len
-        if self.windows < 2:
-            raise UsageError(f"--data {path}: {size // self.width} tokens; this model needs at "
-                             f"least {2 * seq_len + 1} (two windows of --seq-len {seq_len})",
-                             everywhere=True)
-        if self.width == 2:  # bytes never are past 256; a bad id near the end would stop the
-            self.check_ids()  # run there, not before its first step
-
-    def check_ids(self) -> None:
-        """Every id of the .bin file below --vocab-size: its largest, read 32 MB at a time."""
-        top = 0
-        with open(self.path, "rb") as f:
-            while chunk := f.read(1 << 25):  # an even size: whole ids
-                ids = torch.frombuffer(bytearray(chunk[:len(chunk) // 2 * 2]), dtype=torch.uint16)
-                top = max(top, int(ids.int().max()) if len(ids) else 0)
-        if top >= self.vocab:
-            raise UsageError(f"--data {self.path}: token id {top} is beyond --vocab-size "
-                             f"{self.vocab}; GPT-2's ids (nanoGPT's .bin files) need 50304",
-                             everywhere=True)
-
-    def __len__(self) -> int:
-        return self.windows
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        with open(self.path, "rb") as f:
-            f.seek(index * self.seq_len * self.width)
-            window = f.read((self.seq_len + 1) * self.width)
-        kind = torch.uint16 if self.width == 2 else torch.uint8
-        return torch.frombuffer(bytearray(window), dtype=kind).long()
-
-
 def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     """Training and validation windows, identical on every rank. Synthetic: --dataset-size windows
     plus --val-fraction of that as validation. A file: --val-fraction of its windows held out.
@@ -135,8 +98,7 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     if cfg.data:
         text = TextWindows(cfg.data, cfg.task.seq_len, cfg.task.vocab_size)
         train, val = split_for_validation(len(text), int(len(text) * cfg.val_fraction), cfg.seed)
-        return (torch.utils.data.Subset(text, train.tolist()),
-                torch.utils.data.Subset(text, val.tolist()) if len(val) else None)
+        return Part(text, train.tolist()), Part(text, val.tolist()) if len(val) else None
     n_val = int(cfg.task.dataset_size * cfg.val_fraction)
     data = synthetic_text(cfg.task.dataset_size + n_val, cfg.task.seq_len, cfg.seed)
     train, val = split_for_validation(len(data), n_val, cfg.seed)
