@@ -25,7 +25,8 @@ TORCHFT = ["train_ft.py", "train.torchft.py", "{package}/fault_tolerance.py",
            "scripts/bench_ft.py", "scripts/slurm/ft.sbatch", "tests/test_fault_tolerance.py",
            "docs/fault-tolerance.md"]
 # Files of launcher=ray: deleted with the other launchers, which then bake no trace of Ray.
-RAY = ["scripts/train_ray.py", "{package}/runtime/ray_train.py", "tests/test_ray.py"]
+RAY = ["scripts/train_ray.py", "{package}/runtime/ray_train.py", "{package}/runtime/ray_stop.py",
+       "tests/test_ray.py"]
 # Files of model_layout=tensor_parallel: deleted with the other layouts (the flag is then refused).
 TENSOR_PARALLEL = ["{package}/tensor_parallel.py", "tests/test_tensor_parallel.py"]
 

@@ -136,7 +136,8 @@ def expected_files(package: str, answers: dict) -> set[str]:
     if answers.get("github_actions", True):
         files.add(".github/workflows/ci.yml")
     if answers.get("launcher") == "ray":
-        files |= {"scripts/train_ray.py", f"{package}/runtime/ray_train.py", "tests/test_ray.py"}
+        files |= {"scripts/train_ray.py", f"{package}/runtime/ray_train.py",
+                  f"{package}/runtime/ray_stop.py", "tests/test_ray.py"}
     if answers.get("fault_tolerance", "none") == "torchft":
         files |= {"train_ft.py", f"{package}/fault_tolerance.py", f"{package}/replica_groups.py",
                   "scripts/train_ft.sh", "scripts/bench_ft.py",

@@ -203,6 +203,14 @@ def test_a_flag_typo_is_one_line_before_ray_starts(cluster, tmp_path):
     assert result.returncode == 2 and "--workers" in one_error(result)
     result = train_ray(["--env", "NOT_SET_HERE"], tmp_path, cluster, timeout=60)
     assert result.returncode == 2 and "--env NOT_SET_HERE: no such variable" in one_error(result)
+    result = train_ray(["--env", "MY_KEY=1"], tmp_path, cluster, timeout=60)
+    assert result.returncode == 2 and ("--env MY_KEY=1: --env takes a variable's name, whose "
+                                       "value goes from here: export MY_KEY=1, then --env MY_KEY"
+                                       ) in one_error(result)
+    for name in ("RAY_ADDRESS", "CUDA_VISIBLE_DEVICES"):
+        result = train_ray(["--env", name], tmp_path, {**cluster, name: "0"}, timeout=60)
+        assert result.returncode == 2 and (f"--env {name}: Ray's own, which Ray sets in each "
+                                           "worker") in one_error(result), name
 
 
 def test_too_small_a_cluster_or_none_is_one_line_naming_ray_start(cluster, tmp_path,
@@ -259,15 +267,20 @@ def ended(job: subprocess.Popen, timeout: float = 90) -> tuple[str, str]:
             job.kill()
 
 
-def test_ctrl_c_on_the_driver_saves_and_stops_as_under_torchrun(cluster, tmp_path):
-    """The driver tells the workers (Ray's own Ctrl-C handler would end them unsaved): they save at
-    their next log step and stop, rank 0 says where, exit 130, and no worker is left."""
+@pytest.mark.parametrize("signum, what", [(signal.SIGINT, "Ctrl-C"),
+                                           (signal.SIGTERM, "SIGTERM")])
+def test_ctrl_c_or_sigterm_to_the_driver_saves_and_stops_as_under_torchrun(cluster, tmp_path,
+                                                                         signum, what):
+    """The driver tells the workers (Ray's own handlers would end them unsaved): they save at
+    their next log step and stop as that signal would, rank 0 says where, exit 130 or 143 (a
+    scheduler's SIGTERM), and no worker is left."""
     job = run_until_saved(cluster, tmp_path)
-    job.send_signal(signal.SIGINT)
+    job.send_signal(signum)
     out, err = ended(job)
-    assert job.returncode == 130, out + err
-    assert (out + err).count("ray: Ctrl-C: the workers save at their next log step") == 1, out + err
-    said = re.search(r"stopped by SIGINT at step (\d+): checkpoint saved in ", out + err)
+    assert job.returncode == 128 + signum, out + err
+    assert (out + err).count(f"ray: {what}: the workers save at their next log step") == 1, (
+        out + err)
+    said = re.search(rf"stopped by {signum.name} at step (\d+): checkpoint saved in ", out + err)
     assert said and "Traceback" not in err, out + err
     steps = [read_meta(p)["step"] for p in list_checkpoints(tmp_path / "checkpoints")
              if p.suffix == ".pt"]

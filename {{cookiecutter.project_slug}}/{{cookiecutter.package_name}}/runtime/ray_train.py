@@ -10,13 +10,11 @@ A mistake a worker finds is its `error:` line and exit code 1, returned, not rai
 every raised error and every dead worker, and no restart cures a mistake. A worker that dies
 (SIGKILL, a lost node, a deadline of --timeout-s) is Ray's to restart, up to --max-restarts.
 
-Ctrl-C on the driver saves, as under torchrun: `fit` runs in a thread (Ray's own Ctrl-C handler,
-set from the main thread only, would end the workers unsaved) and an actor tells the workers."""
+Ctrl-C or SIGTERM to the driver saves, as under torchrun (ray_stop.py)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
 import os
@@ -25,9 +23,7 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Mapping
-from concurrent import futures
 from typing import Any
 
 from .. import doctor, metrics, task
@@ -35,9 +31,8 @@ from ..checkpoint.resume import pick_checkpoint
 from ..config import parse_args
 from ..main import main as train_main
 from . import environments, launch
-from .backstop import STOP_SAVE_S
 from .environments import TorchrunEnvironment, World
-from .lifeline import Lifeline
+from .ray_stop import RayLifeline, Stop, Unsaved, fit_in_thread, said, stop_when_told
 
 START = "start one with `ray start --head` (or set RAY_ADDRESS to a running cluster's address)"
 # The driver's variables its workers get (Ray starts them in the environment `ray start` had):
@@ -62,49 +57,6 @@ class RayEnvironment:
                                    f"{world.master_port}")
 
 
-class Stop:
-    """The driver's Ctrl-C, for its workers (a Ray actor): `wait` returns once `set` is called."""
-
-    def __init__(self) -> None:
-        self.event = asyncio.Event()
-
-    async def wait(self) -> None:
-        await self.event.wait()
-
-    async def set(self) -> None:
-        self.event.set()
-
-
-class RayLifeline(Lifeline):
-    """A Ray worker's lifeline. Ray runs `main` in a thread of its worker, where no signal handler
-    can be installed: the driver's Ctrl-C comes as a message instead, told here as a SIGINT."""
-
-    running: RayLifeline | None = None
-
-    def start(self) -> RayLifeline:
-        RayLifeline.running = self
-        return super().start()
-
-    def sigint(self) -> bool:
-        """Stop as at a Ctrl-C: save at the next log step. False while starting, where the signal
-        would end the process at once (and Ray would start it again)."""
-        if self._phase == "starting":
-            return False
-        self._writer.send(bytes([signal.SIGINT]))
-        return True
-
-
-def stop_when_told(stop: Any) -> None:
-    """A worker's thread: waits for the driver's Ctrl-C, then tells the run once it trains (or
-    its closed lifeline, once it ended: the worker ends soon after)."""
-    import ray
-
-    with contextlib.suppress(Exception):  # the driver gone: no Ctrl-C to wait for
-        ray.get(stop.wait.remote())
-        while not (RayLifeline.running and RayLifeline.running.sigint()):
-            time.sleep(0.2)
-
-
 def worker(config: dict[str, Any]) -> int:
     """One Ray Train worker: train.py's `main` with the driver's flags, in the driver's folder
     (where relative paths point). Returns the exit code; rank 0's is the driver's."""
@@ -120,7 +72,7 @@ def worker(config: dict[str, Any]) -> int:
         environments.ENVIRONMENTS = (RayEnvironment, *environments.ENVIRONMENTS)
     # Every rank reports the same metrics line (rank 0's): ray.train.report waits for all.
     metrics.EVERY_RANK[:] = [lambda record: ray.train.report(record)]
-    launch.Lifeline = RayLifeline  # the run's lifeline (launch.setup makes it), told a Ctrl-C
+    launch.Lifeline = RayLifeline  # the run's lifeline (launch.setup makes it), told a signal
     threading.Thread(target=stop_when_told, args=(config["stop"],), daemon=True).start()
     return train_main(config["argv"])
 
@@ -162,8 +114,15 @@ def own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parse_args(["--help"], getattr(task, "Settings", None))  # train.py's flags; exits
     if args.max_restarts < 0:
         parser.error("--max-restarts: expected 0 or more")
-    if unset := [name for name in args.env if name not in os.environ]:
-        parser.error(f"--env {unset[0]}: no such variable here to pass to the workers")
+    for name in args.env:
+        if "=" in name:  # a value given here would land in the command line and its logs
+            parser.error(f"--env {name}: --env takes a variable's name, whose value goes from "
+                         f"here: export {name}, then --env {name.partition('=')[0]}")
+        if name.startswith("RAY_") or name == "CUDA_VISIBLE_DEVICES":
+            parser.error(f"--env {name}: Ray's own, which Ray sets in each worker (its devices, "
+                         "its cluster); leave it out")
+        if name not in os.environ:
+            parser.error(f"--env {name}: no such variable here to pass to the workers")
     return args, rest
 
 
@@ -220,28 +179,6 @@ def newest(checkpoint_dir: str) -> str:
             else "no checkpoint was saved yet: the same command starts over")
 
 
-def fit_in_thread(trainer: Any, stop: Any) -> Any:
-    """trainer.fit()'s result, from a thread: a Ctrl-C tells the workers to save and stop."""
-    done: futures.Future = futures.Future()
-
-    def fit() -> None:  # its result, or what it raised, for the main thread
-        try:
-            done.set_result(trainer.fit())
-        except BaseException as exc:  # noqa: BLE001  (raised again by done.result())
-            done.set_exception(exc)
-
-    # `cmd &` in a script starts Python with SIGINT ignored: taken here, as by torchrun's workers.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    threading.Thread(target=fit, daemon=True).start()
-    try:
-        return done.result()
-    except KeyboardInterrupt:
-        print(f"ray: Ctrl-C: the workers save at their next log step and stop (within "
-              f"{STOP_SAVE_S:g} s; Ctrl-C again stops now, without a save)", flush=True)
-        stop.set.remote()
-        return done.result(STOP_SAVE_S)
-
-
 def main(argv: list[str] | None = None) -> int:
     """The driver: check, connect, fit. Returns the exit code."""
     args, rest = own_flags(sys.argv[1:] if argv is None else argv)
@@ -283,12 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: Ray Train stopped after {args.max_restarts} restart(s): {first}; see the "
               "workers' output above", file=sys.stderr, flush=True)
         return 1
-    except (KeyboardInterrupt, SystemExit, futures.TimeoutError):  # again, or no save in time
-        print(f"stopped by Ctrl-C, without a save; {newest(cfg.checkpoint_dir)}", file=sys.stderr,
-              flush=True)
+    except (KeyboardInterrupt, Unsaved) as stopped:  # twice, or no save in time
+        signum = getattr(stopped, "signum", signal.SIGINT)
+        print(f"stopped by {said(signum)}, without a save; {newest(cfg.checkpoint_dir)}",
+              file=sys.stderr, flush=True)
         # fit's thread is in Ray still: an exit beside it can SIGSEGV. Ray ends the job's workers.
         sys.stdout.flush()
-        os._exit(130)
+        os._exit(128 + signum)
     except Exception as exc:  # Ray's own: the cluster went away (its head killed), not the run
         print(f"error: the Ray cluster stopped answering ({type(exc).__name__}); "
               f"{newest(cfg.checkpoint_dir)}; start the cluster again first (ray start)",
