@@ -92,6 +92,32 @@ def test_a_shard_set_holds_every_image_once_and_a_rerun_does_nothing(tmp_path, c
     assert len(val) == int(96 * 0.25)  # the set's fraction, spread over its shards
 
 
+def test_a_shard_sets_image_that_cannot_be_used_is_a_short_line_naming_shard_and_sample(
+        tmp_path):
+    """Named by its shard and sample, with what to do for a set (not --skip-bad-images, which a
+    set does not take), never the image's bytes (a 32-bit image's line held 3,018 of them)."""
+    import io
+
+    from PIL import Image
+
+    from {{ cookiecutter.package_name }}.images import read_image
+
+    prepare(str(image_folder(tmp_path / "images", 4)), str(tmp_path / "set"), 1, progress=False)
+    tiff = io.BytesIO()
+    Image.new("F", (32, 32), 2.0).save(tiff, "TIFF")  # 32-bit floats past 0..1
+    cfg = config(str(tmp_path / "set"), "--val-fraction", "0")
+    for stored, why in ((tiff.getvalue(), "it is a 32-bit image with values outside 0..1; "
+                         "convert it to 8 or 16 bits, or prepare"),
+                        (b"\x89PNG cut short", "it cannot be decoded as an image (")):
+        data = ShardSet(cfg.data, cfg, "train", lambda image, label, s=stored: read_image(s))
+        with pytest.raises(UsageError) as raised:
+            data[5]
+        line = str(raised.value)
+        assert line.startswith(f"--data {cfg.data}: sample 5 of shard 00000: {why}"), line
+        assert line.endswith("prepare the shard set again (prepare leaves out such images)")
+        assert len(line) < 300 and "--skip-bad-images" not in line, line
+
+
 def test_the_order_depends_on_seed_and_epoch_alone_and_batches_on_the_global_batch(tmp_path):
     prepare(str(image_folder(tmp_path / "images")), str(tmp_path / "set"), 0.002,
             progress=False)
@@ -238,6 +264,11 @@ def test_a_prepare_never_writes_into_its_source_nor_onto_another_sources_set(tmp
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsageError, match="neither images .* nor .txt files in it"):
         prepare(str(tmp_path / "empty"), str(tmp_path / "out"), 1, progress=False)
+    with pytest.raises(UsageError, match=r"^DEST .*other holds other files \(3, such as cat; an "
+                                         r"image folder\?\): the shards would land among them; "
+                                         "give a new or empty folder"):
+        prepare(str(source), str(other), 1, progress=False)
+    assert sorted(p.name for p in other.iterdir()) == ["cat", "dog", "emu"], "DEST untouched"
 
 
 def test_text_that_is_not_utf8_or_empty_is_one_line(tmp_path):

@@ -149,7 +149,8 @@ class ShardSet(Dataset):
         try:
             return self.transform(self._read(f"{name}.bin", offset, length), label)
         except UsageError as exc:
-            raise UsageError(f"--data {self.data}: sample {j} of shard {name}: {exc}") from None
+            what = str(exc).removeprefix("--data: ")
+            raise UsageError(f"--data {self.data}: sample {j} of shard {name}: {what}") from None
 
     def _read(self, file: str, offset: int, length: int) -> bytes:
         """`length` bytes at `offset` of a shard file, kept open (unbuffered: no read-ahead of

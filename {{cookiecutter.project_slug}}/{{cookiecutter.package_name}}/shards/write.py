@@ -223,6 +223,11 @@ def prepare(source: str, dest: str, shard_mb: float, tokenizer: str | None = Non
             target.fs.ls(target.key.split("/")[0])  # is the bucket there?
     except Exception as exc:  # OSError, or botocore's own (no credentials: not an OSError)
         raise UsageError(f"{storage.redact(dest)}: {storage.diagnosis(dest, exc)}") from None
+    if index is None and not isinstance(target, storage.RemotePath) and target.is_dir() and (
+            others := [p.name for p in sorted(target.iterdir()) if not is_set_file(p.name)]):
+        raise UsageError(f"DEST {dest} holds other files ({len(others)}, such as {others[0]}; an "
+                         "image folder?): the shards would land among them; give a new or empty "
+                         "folder")
     if index is not None:
         if index.get("source", made_from) != made_from:
             raise UsageError(f"{storage.shown(dest)} is a shard set made from "
@@ -255,6 +260,12 @@ def prepare(source: str, dest: str, shard_mb: float, tokenizer: str | None = Non
     print(f"wrote {sum_samples(index)} {index['kind']} in {len(index['shards'])} shards to "
           f"{storage.shown(dest)}")
     return index
+
+
+def is_set_file(name: str) -> bool:
+    """Whether a file of this name is a shard set's (a stopped prepare leaves some: redone)."""
+    stem, _, suffix = name.partition(".")
+    return name in (INDEX, TOKENIZER) or (stem.isdigit() and suffix in ("bin", "idx"))
 
 
 def sum_samples(index: dict[str, Any]) -> int:
