@@ -9,6 +9,7 @@ images."""
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import shutil
 import sys
@@ -96,13 +97,12 @@ def test_a_shard_sets_image_that_cannot_be_used_is_a_short_line_naming_shard_and
         tmp_path):
     """Named by its shard and sample, with what to do for a set (not --skip-bad-images, which a
     set does not take), never the image's bytes (a 32-bit image's line held 3,018 of them)."""
-    import io
-
+    images = image_folder(tmp_path / "images", 4)  # (skips without Pillow)
     from PIL import Image
 
-    from {{ cookiecutter.package_name }}.images import read_image
+    prepare(str(images), str(tmp_path / "set"), 1, progress=False)
+    from {{ cookiecutter.package_name }}.images import read_image  # the classification task's
 
-    prepare(str(image_folder(tmp_path / "images", 4)), str(tmp_path / "set"), 1, progress=False)
     tiff = io.BytesIO()
     Image.new("F", (32, 32), 2.0).save(tiff, "TIFF")  # 32-bit floats past 0..1
     cfg = config(str(tmp_path / "set"), "--val-fraction", "0")
