@@ -121,7 +121,8 @@ ALLOWED_SKIPS = ("needs CUDA GPUs and a PyTorch build with NCCL", "needs a CUDA 
 
 def test_the_readme_pytest_runs_the_default_tier(default_project, torch_venv, quickstart_done):
     """`pytest -q` (the quickstart's last line) selects the fast tier: every module's unit tests,
-    the task's tests and one real kill-and-resume; `--full` adds the rest."""
+    the task's tests and one real kill-and-resume, of whatever task.py holds; `--full` adds the
+    rest."""
     def collected(*extra: str) -> list[str]:
         result = check_ok(torch_venv.run([torch_venv.python, "-m", "pytest", "--collect-only",
                                           "-q", "-p", "no:cacheprovider", *extra],
@@ -134,7 +135,7 @@ def test_the_readme_pytest_runs_the_default_tier(default_project, torch_venv, qu
     assert {"tests/test_task.py", "tests/test_config.py", "tests/test_checkpoint.py",
             "tests/test_data.py", "tests/test_distributed.py"} <= files, files
     assert [line for line in default if "test_recovery.py" in line] == [
-        "tests/test_recovery.py::test_sigkill_then_resume_is_bit_for_bit[mid-epoch-rank0]"]
+        "tests/test_recovery.py::test_your_task_resumes_bit_for_bit_after_a_sigkill"]
     assert not files & {"tests/test_network.py", "tests/test_backstop.py",
                         "tests/test_launchers.py", "tests/test_mistakes.py"}
 

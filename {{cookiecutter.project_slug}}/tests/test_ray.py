@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -225,12 +226,21 @@ def test_too_small_a_cluster_or_none_is_one_line_naming_ray_start(cluster, tmp_p
                           ("127.0.0.1:abc", "no Ray cluster to join at RAY_ADDRESS=127.0.0.1:abc"),
                           ("not-an-address", "no Ray cluster to join at RAY_ADDRESS=not-an")):
         monkeypatch.setenv("RAY_ADDRESS", address)
-        assert said in (connect(2, {}) or ""), address
+        assert said in (connect(2, {}, 60) or ""), address
     nowhere = {**cluster, "RAY_ADDRESS": f"127.0.0.1:{find_free_port()}"}
     result = train_ray(["--workers", "2", "--epochs", "1"], tmp_path, nowhere, timeout=60)
     assert result.returncode == 1
     line = one_error(result)
     assert "no Ray cluster answers at RAY_ADDRESS=127.0.0.1:" in line and "ray start" in line
+    # A port that answers but is not Ray's (ray.init would retry it for ever): --timeout-s.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        other = {**cluster, "RAY_ADDRESS": f"127.0.0.1:{silent.getsockname()[1]}"}
+        asked = time.monotonic()
+        result = train_ray(["--workers", "2", "--epochs", "1", "--timeout-s", "15"], tmp_path,
+                           other, timeout=120)
+    assert result.returncode == 1 and time.monotonic() - asked < 15 + 30, result.stderr
+    assert (f"no Ray cluster answered at RAY_ADDRESS={other['RAY_ADDRESS']} within --timeout-s "
+            "15 (something listens there, but not Ray's GCS)") in one_error(result)
 
 
 def test_a_syntax_error_in_task_py_is_pythons_own_lines_before_ray_starts(tmp_path):

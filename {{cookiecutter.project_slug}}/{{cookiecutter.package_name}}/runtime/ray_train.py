@@ -139,9 +139,11 @@ def reachable(address: str) -> bool:
         return False
 
 
-def connect(workers: int | tuple[int, int], env: dict[str, str]) -> str | None:
+def connect(workers: int | tuple[int, int], env: dict[str, str], timeout_s: float) -> str | None:
     """Join the Ray cluster, giving this job's workers `env`; None, or why it cannot run
-    `workers` workers (a GPU each where the cluster has GPUs, else a CPU each)."""
+    `workers` workers (a GPU each where the cluster has GPUs, else a CPU each). An address that
+    answers but is not Ray's: one error line and exit 1 after `timeout_s` (ray.init retries it
+    for ever, and ray.shutdown would wait on it)."""
     import ray
 
     address = os.environ.get("RAY_ADDRESS", "auto")
@@ -150,11 +152,22 @@ def connect(workers: int | tuple[int, int], env: dict[str, str]) -> str | None:
                 "as `ray start --head` printed it (port 6379 by default)")
     if not reachable(address):
         return f"no Ray cluster answers at RAY_ADDRESS={address}; {START}"
+    def give_up() -> None:
+        print(f"error: no Ray cluster answered at RAY_ADDRESS={address} within --timeout-s "
+              f"{timeout_s:g} (something listens there, but not Ray's GCS); give the cluster's "
+              "address, HOST:PORT as `ray start --head` printed it", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    watchdog = threading.Timer(timeout_s, give_up)
+    watchdog.daemon = True
+    watchdog.start()
     try:
         ray.init(address=address, logging_level="WARNING", runtime_env={"env_vars": env})
     except (ConnectionError, RuntimeError, ValueError) as exc:  # ValueError: a malformed address
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"no Ray cluster to join at RAY_ADDRESS={address} ({first}); {START}"
+    finally:
+        watchdog.cancel()
     needed = workers if isinstance(workers, int) else workers[0]
     kind = "GPU" if ray.cluster_resources().get("GPU") else "CPU"
     slots = int(ray.cluster_resources().get(kind, 0))
@@ -198,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     env = {name: value for name, value in os.environ.items()
            if name.startswith(PASSED) or name in args.env}
-    if problem := connect(args.workers, env):
+    if problem := connect(args.workers, env, cfg.timeout_s):
         print(f"error: {problem}", file=sys.stderr, flush=True)
         ray.shutdown()
         return 1
