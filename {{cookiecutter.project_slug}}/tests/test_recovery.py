@@ -105,8 +105,10 @@ def test_your_task_resumes_bit_for_bit_after_a_sigkill(tmp_path):
     """A run of task.py's own (your_task_flags) loses a worker to SIGKILL once its checkpoint of
     step 2 is written, resumes from that checkpoint (the later ones, if the kill came after
     them, removed), and ends with the weights of a run never killed."""
-    flags, whole, killed = your_task_flags(), tmp_path / "whole", tmp_path / "killed"
-    whole.mkdir(), killed.mkdir()
+    flags = your_task_flags()
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    whole.mkdir()
+    killed.mkdir()
     ok(torchrun(flags, whole, timeout=300))
     job = subprocess.Popen([*torchrun_cmd(2), TRAIN, "--no-progress", *flags], cwd=killed,
                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -152,7 +152,8 @@ def connect(workers: int | tuple[int, int], env: dict[str, str], timeout_s: floa
                 "as `ray start --head` printed it (port 6379 by default)")
     if not reachable(address):
         return f"no Ray cluster answers at RAY_ADDRESS={address}; {START}"
-    def give_up() -> None:
+
+    def give_up() -> None:  # ray.init is stuck in this thread: neither it nor ray.shutdown returns
         print(f"error: no Ray cluster answered at RAY_ADDRESS={address} within --timeout-s "
               f"{timeout_s:g} (something listens there, but not Ray's GCS); give the cluster's "
               "address, HOST:PORT as `ray start --head` printed it", file=sys.stderr, flush=True)
