@@ -89,6 +89,9 @@ def test_what_a_token_file_cannot_hold_is_one_line_before_the_first_step(tmp_pat
     ids = list(range(100, 1100))
     (tmp_path / "upper.BIN").write_bytes(array("H", ids).tobytes())
     assert task.TextWindows(tmp_path / "upper.BIN", 64, 2048)[1].tolist() == ids[64:129]
+    with pytest.raises(UsageError, match="only the tokenizer that made the .bin file turns"):
+        task.predict(None, ["a prompt"], parse_args(["--data", str(tmp_path / "upper.BIN")],
+                                                    task.Settings))
     (tmp_path / "int32.bin").write_bytes(array("i", ids).tobytes())
     with pytest.raises(UsageError, match=r"int32.bin: every second uint16 is 0: 32- or 64-bit "
                                          r"token ids, not uint16; write uint16 ids, as nanoGPT "

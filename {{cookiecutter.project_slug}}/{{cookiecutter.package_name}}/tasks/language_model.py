@@ -238,7 +238,7 @@ def load_tokenizer(data: str) -> Any:
 def predict(model: nn.Module, inputs: list[str], cfg: Config, new_tokens: int = 40) -> list[str]:
     """Prompts -> each continued by `new_tokens` tokens (bytes, or the shard set's tokenizer's),
     the most likely one at a time (scripts/predict.py)."""
-    if str(cfg.data).endswith(".bin"):  # ids of a tokenizer this project does not have
+    if str(cfg.data).lower().endswith(".bin"):  # ids of a tokenizer this project does not have
         raise UsageError(f"--data {cfg.data}: the model predicts token ids that only the tokenizer "
                          "that made the .bin file turns into text (nanoGPT's: tiktoken's gpt2)")
     tokenizer = load_tokenizer(cfg.data) if shard_index(cfg.data) else None
