@@ -11,6 +11,7 @@ CPUs, no cluster, the cluster killed mid-run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import re
@@ -227,6 +228,10 @@ def test_too_small_a_cluster_or_none_is_one_line_naming_ray_start(cluster, tmp_p
                           ("not-an-address", "no Ray cluster to join at RAY_ADDRESS=not-an")):
         monkeypatch.setenv("RAY_ADDRESS", address)
         assert said in (connect(2, {}, 60) or ""), address
+    if importlib.util.find_spec("grpc") is None:  # Ray Client's packages: not in .[ray]
+        monkeypatch.setenv("RAY_ADDRESS", "ray://127.0.0.1:10001")
+        assert ("RAY_ADDRESS=ray://127.0.0.1:10001 is a Ray Client address, which needs pip "
+                'install "ray[client]" here') in (connect(2, {}, 60) or "")
     nowhere = {**cluster, "RAY_ADDRESS": f"127.0.0.1:{find_free_port()}"}
     result = train_ray(["--workers", "2", "--epochs", "1"], tmp_path, nowhere, timeout=60)
     assert result.returncode == 1
@@ -241,6 +246,30 @@ def test_too_small_a_cluster_or_none_is_one_line_naming_ray_start(cluster, tmp_p
     assert result.returncode == 1 and time.monotonic() - asked < 15 + 30, result.stderr
     assert (f"no Ray cluster answered at RAY_ADDRESS={other['RAY_ADDRESS']} within --timeout-s "
             "15 (something listens there, but not Ray's GCS)") in one_error(result)
+
+
+def test_a_variable_only_the_driver_has_is_named_after_the_workers_traceback(monkeypatch, capsys):
+    """task.py reading os.environ[NAME] in a worker, where only the driver has NAME (a worker
+    starts in the cluster's environment): after the KeyError's traceback, one line naming the
+    variable and --env NAME. A KeyError of anything else stays the traceback alone."""
+    from {{ cookiecutter.package_name }}.runtime import launch
+    from {{ cookiecutter.package_name }}.runtime.ray_train import driver_only
+
+    def task_reads_it(*args) -> dict:
+        return {"setting": os.environ["ONLY_THE_DRIVERS"]}
+
+    monkeypatch.delenv("ONLY_THE_DRIVERS", raising=False)
+    monkeypatch.setattr(launch, "crash_hint",
+                        functools.partial(driver_only, ["HOME", "ONLY_THE_DRIVERS"]))
+    monkeypatch.setattr(launch, "run", task_reads_it)
+    assert launch.run_and_report(None, None, None) == 1
+    said = capsys.readouterr().err.splitlines()
+    assert said[-2] == "KeyError: 'ONLY_THE_DRIVERS'" and said[0].startswith("Traceback"), said
+    assert said[-1] == ("error: KeyError 'ONLY_THE_DRIVERS': ONLY_THE_DRIVERS is set where "
+                        "scripts/train_ray.py runs, not in Ray's workers (they start in the "
+                        "cluster's environment); pass it: --env ONLY_THE_DRIVERS")
+    assert driver_only(["HOME"], KeyError("HOME")) is None  # the worker has it: another dict's
+    assert driver_only(["HOME"], KeyError("layer.3")) is None
 
 
 def test_a_syntax_error_in_task_py_is_pythons_own_lines_before_ray_starts(tmp_path):

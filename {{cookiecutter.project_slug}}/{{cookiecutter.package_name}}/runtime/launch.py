@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,6 +34,12 @@ from .workers import worker_context
 # What each process runs once it joined its group (main.work trains): the flags, the world, the
 # backend, this process's devices and its lifeline in; the run's summary out.
 Work = Callable[[Config, World, str, list[torch.device], Lifeline], dict]
+
+
+def crash_hint(exc: Exception) -> str | None:
+    """What a launcher knows of a crash in task.py, said after its traceback: none here; a
+    launcher whose workers start in another environment than its own sets its own."""
+    return None
 
 
 def rendezvous_dir(cfg: Config) -> Path:
@@ -162,8 +169,10 @@ def run_and_report(cfg: Config, world: World, work: Work) -> int:
             if agent:
                 stop_agent_if_store_lost(agent, world.master_addr, world.master_port)
         return 1
-    except Exception:
+    except Exception as exc:
         traceback.print_exc()  # a bug, not a known failure: the whole story
+        if hint := crash_hint(exc):
+            print(f"error: {hint}", file=sys.stderr, flush=True)
         return 1
     return result.get("exit_code", 0)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import shlex
 import signal
@@ -73,8 +74,19 @@ def worker(config: dict[str, Any]) -> int:
     # Every rank reports the same metrics line (rank 0's): ray.train.report waits for all.
     metrics.EVERY_RANK[:] = [lambda record: ray.train.report(record)]
     launch.Lifeline = RayLifeline  # the run's lifeline (launch.setup makes it), told a signal
+    launch.crash_hint = functools.partial(driver_only, config["driver_env"])
     threading.Thread(target=stop_when_told, args=(config["stop"],), daemon=True).start()
     return train_main(config["argv"])
+
+
+def driver_only(names: list[str], exc: Exception) -> str | None:
+    """A KeyError of a variable the driver has (`names`) and this worker lacks: task.py read it
+    in a worker, which starts in the cluster's environment, not the driver's."""
+    name = exc.args[0] if isinstance(exc, KeyError) and exc.args else None
+    if name not in names or name in os.environ:
+        return None
+    return (f"KeyError {name!r}: {name} is set where scripts/train_ray.py runs, not in Ray's "
+            f"workers (they start in the cluster's environment); pass it: --env {name}")
 
 
 def workers_flag(text: str) -> int | tuple[int, int]:
@@ -166,6 +178,9 @@ def connect(workers: int | tuple[int, int], env: dict[str, str], timeout_s: floa
         ray.init(address=address, logging_level="WARNING", runtime_env={"env_vars": env})
     except (ConnectionError, RuntimeError, ValueError) as exc:  # ValueError: a malformed address
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "ray[client]" in first:  # ray://: Ray Client, whose packages the ray extra has not
+            return (f"RAY_ADDRESS={address} is a Ray Client address, which needs pip install "
+                    "\"ray[client]\" here; or run this on the cluster with its HOST:PORT")
         return f"no Ray cluster to join at RAY_ADDRESS={address} ({first}); {START}"
     finally:
         watchdog.cancel()
@@ -222,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = ray.remote(num_cpus=0)(Stop).remote()
     trainer = TorchTrainer(
         worker, train_loop_config={"argv": flags, "cwd": os.getcwd(), "env": sorted(env),
-                                   "stop": stop},
+                                   "driver_env": sorted(os.environ), "stop": stop},  # names only
         scaling_config=ScalingConfig(num_workers=args.workers,
                                      use_gpu=bool(ray.cluster_resources().get("GPU"))),
         run_config=RunConfig(storage_path=storage_path(cfg.output_dir),
