@@ -249,16 +249,24 @@ def test_the_task_trains_on_a_csv_file(tmp_path):
 def test_the_generated_suite_holds_for_a_minimal_task(tmp_path, torch_venv, quickstart_done):
     """A user's task without the example's settings, data or blocks(): the suite a user runs
     after editing task.py (`pytest -q`) passes, the tests that train the example skip and say
-    why, and the user's own task test runs. (The `--full` tier's tests of the example task skip
+    why, the user's own task test runs, and so does the kill and resume, of this task with the
+    flags its TEST_FLAGS names. (The `--full` tier's tests of the example task skip
     the same way: its machinery is the default project's, run in full above.)"""
     project = bake_to(tmp_path)
-    (project / "ddp_project/task.py").write_text(MINIMAL_TASK)
+    sample = tmp_path / "sample.csv"  # what its TEST_FLAGS name for the default tier's kill test
+    sample.write_text("\n".join(f"{i % 7},{i % 5},{i % 3},{i % 2},{i % 7 + 2 * (i % 2)}"
+                                for i in range(96)))
+    test_flags = f"\nTEST_FLAGS = ['--data', {str(sample)!r}, '--batch-size', '8']\n"
+    (project / "ddp_project/task.py").write_text(MINIMAL_TASK + test_flags)
     (project / "tests/test_task.py").write_text(MINIMAL_TASK_TEST)
     torch_venv.pip("-e", str(project), cwd=project)
     result = torch_venv.run([torch_venv.python, "-m", "pytest", "-q", "-p",
                              "no:cacheprovider", "-rsp"], project, timeout=1200)
     check_ok(result)
     assert "PASSED tests/test_task.py::test_the_task_trains_on_a_csv_file" in result.stdout
+    # The default tier's real kill and resume trained this task, with its TEST_FLAGS.
+    assert ("PASSED tests/test_recovery.py::test_your_task_resumes_bit_for_bit_after_a_sigkill"
+            in result.stdout), result.stdout[-3000:]
     skips = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
     because = ("uses the example task; task.py declares no --dataset-size or --hidden-size",
                "at task.blocks(model), which task.py does not define")
