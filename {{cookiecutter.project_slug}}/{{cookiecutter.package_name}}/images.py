@@ -62,10 +62,12 @@ def read_image(path: Path | bytes) -> torch.Tensor:
     images become RGB; 16-bit grey, and 32-bit grey in 0..65535 or in 0..1 (floats), is scaled to
     8 bits). A file that cannot be decoded is one `error:` line naming it (a shard set's sample:
     its caller names the shard and the sample)."""
-    if isinstance(path, bytes):  # a shard set's sample: prepare leaves out what cannot decode
-        name, fix = "it", "prepare the shard set again (prepare leaves out such images)"
+    if isinstance(path, bytes):  # a shard set's sample: its caller names the set, shard, sample
+        what, replace = "it", ""
+        fix = "prepare the shard set again (prepare leaves out such images)"
     else:
-        name, fix = path, "pass --skip-bad-images to leave such files out"
+        what, replace = f"--data: {path}", "remove or replace it, or "
+        fix = "pass --skip-bad-images to leave such files out"
     try:
         with Image.open(io.BytesIO(path) if isinstance(path, bytes) else path) as image:
             # convert() decodes the whole file: a truncated one fails here. 16-bit grey widens to
@@ -73,8 +75,7 @@ def read_image(path: Path | bytes) -> torch.Tensor:
             wide = image.mode in ("I", "F") or image.mode.startswith("I;16")
             image = image.convert("F" if image.mode == "F" else "I" if wide else "RGB")
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        replace = "remove or replace it, or " if name != "it" else ""
-        raise UsageError(f"--data: {name} cannot be decoded as an image ({exc}); {replace}{fix}"
+        raise UsageError(f"{what} cannot be decoded as an image ({exc}); {replace}{fix}"
                          ) from None
     if not wide:
         pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
@@ -82,7 +83,7 @@ def read_image(path: Path | bytes) -> torch.Tensor:
     dtype, top = (torch.float32, 1.0) if image.mode == "F" else (torch.int32, 65535)
     values = torch.frombuffer(bytearray(image.tobytes()), dtype=dtype).float()
     if not ((values >= 0) & (values <= top)).all():  # NaN too: no known scale to 8 bits
-        raise UsageError(f"--data: {name} is a 32-bit image with values outside 0..{top:g}; "
+        raise UsageError(f"{what} is a 32-bit image with values outside 0..{top:g}; "
                          f"convert it to 8 or 16 bits, or {fix}")
     grey = values.mul(255 / top).round().to(torch.uint8)
     return grey.view(1, image.height, image.width).repeat(CHANNELS, 1, 1)

@@ -149,8 +149,7 @@ class ShardSet(Dataset):
         try:
             return self.transform(self._read(f"{name}.bin", offset, length), label)
         except UsageError as exc:
-            what = str(exc).removeprefix("--data: ")
-            raise UsageError(f"--data {self.data}: sample {j} of shard {name}: {what}") from None
+            raise UsageError(f"--data {self.data}: sample {j} of shard {name}: {exc}") from None
 
     def _read(self, file: str, offset: int, length: int) -> bytes:
         """`length` bytes at `offset` of a shard file, kept open (unbuffered: no read-ahead of
