@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project, ins
 from {{ cookiecutter.package_name }} import task  # noqa: E402
 from {{ cookiecutter.package_name }}.checkpoint import storage  # noqa: E402
 from {{ cookiecutter.package_name }}.checkpoint.export import model_and_meta  # noqa: E402
+from {{ cookiecutter.package_name }}.checkpoint.files import saved_weights  # noqa: E402
 from {{ cookiecutter.package_name }}.config import Config  # noqa: E402
 from {{ cookiecutter.package_name }}.failures import ProjectError, UsageError  # noqa: E402
 
@@ -37,12 +38,15 @@ def main(argv: list[str]) -> int:
         state, meta = model_and_meta(storage.given(argv[0]), raw_weights)
         cfg = Config.from_dict(meta.get("config", {}), getattr(task, "Settings", None))
         model = task.build_model(cfg)
-        try:
-            model.load_state_dict(state)
+        unfit = f"{argv[0]} does not fit the model task.py builds now"
+        if differ := sorted(set(saved_weights(model)) ^ set(state)):
+            raise UsageError(f"{unfit} ('{differ[0]}' is in one of them only); use a checkpoint "
+                             "of this model")
+        try:  # the weights a checkpoint leaves out (a LoRA run's base model) stay as built
+            model.load_state_dict(state, strict=False)
         except RuntimeError as exc:  # task.py changed since: load_state_dict's many lines
             detail = (str(exc).splitlines()[1:] or [str(exc)])[0].strip()
-            raise UsageError(f"{argv[0]} does not fit the model task.py builds now ({detail}); "
-                             "use a checkpoint of this model") from None
+            raise UsageError(f"{unfit} ({detail}); use a checkpoint of this model") from None
         model.eval()
         with torch.no_grad():
             for line in task.predict(model, argv[1:], cfg):

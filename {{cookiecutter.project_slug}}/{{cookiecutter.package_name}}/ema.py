@@ -3,7 +3,8 @@
 After every optimizer step taken, `ema = decay * ema + (1 - decay) * weights`, in fp32 on each
 weight's own device. Each rank averages what it holds: the whole model (data_parallel), both stages
 (model_parallel_2), or its own shards (fsdp: the average of a shard is the shard of the average, no
-all-gather). Buffers (BatchNorm's running statistics) are the model's own, not averaged."""
+all-gather). Buffers (BatchNorm's running statistics) are the model's own, not averaged, and so are
+the weights task.py builds again at every start (a LoRA run's frozen base model)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checkpoint.files import rebuilt_weights
 from .runtime.torch_private import foreach_decay
 
 
@@ -26,8 +28,10 @@ class EMA:
     def __init__(self, model: nn.Module, decay: float) -> None:
         """model: the unwrapped model (the names of its state_dict)."""
         self.decay = decay
-        self.names = [name for name, _ in model.named_parameters()]
-        self.params = [p for _, p in model.named_parameters()]
+        rebuilt = rebuilt_weights(model)
+        averaged = [(name, p) for name, p in model.named_parameters() if name not in rebuilt]
+        self.names = [name for name, _ in averaged]
+        self.params = [p for _, p in averaged]
         self.averages = [local_part(p).detach().float().clone() for p in self.params]
 
     @torch.no_grad()

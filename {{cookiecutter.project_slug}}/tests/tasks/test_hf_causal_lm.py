@@ -284,3 +284,113 @@ def test_blocks_plan_and_sizes_come_from_the_models_folder(hf):
     weights = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
     assert task.flops_per_token(model, cfg) == 6 * weights + 12 * 2 * 4 * 8 * 32
     assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+# ---------------------------------------------------------------------- LoRA (--lora-rank)
+LORA = ["--lora-rank", "4", "--lr", "0.01"]
+
+
+@pytest.fixture(scope="module")
+def lora_trained(tmp_path_factory, hf) -> Path:
+    """2 processes train rank-4 LoRA adapters on the tiny Llama for 40 steps."""
+    def train(folder: Path) -> None:
+        ok(torchrun(flags(hf, *LORA), folder, timeout=300, **OFFLINE))
+
+    return made_once(tmp_path_factory, "hf-lora", train)
+
+
+def test_lora_trains_and_saves_the_adapters_alone(lora_trained, hf):
+    """Only the adapters of the 2 layers' 7 projections train and are in the checkpoints; the
+    model starts as the folder's, and the loss falls (slowly: the token tables stay frozen)."""
+    losses = [m["loss"] for m in read_metrics(lora_trained / "runs/latest")]
+    assert len(losses) == 4 and losses == sorted(losses, reverse=True), losses
+    assert losses[-1] < losses[0] - 0.1, losses
+    saved = load_state(list_checkpoints(lora_trained / "checkpoints")[0])["model"]
+    assert len(saved) == 2 * 7 * 2 and all(".lora_A." in k or ".lora_B." in k for k in saved)
+    cfg = parse_args(["--model", str(hf / "model"), "--lora-rank", "4"], task.Settings)
+    model = task.build_model(cfg)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == set(saved)
+    from transformers import AutoModelForCausalLM
+
+    folders = AutoModelForCausalLM.from_pretrained(hf / "model")
+    batch = torch.randint(320, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # lora_B starts at zero: the folder's model, as it was
+        assert torch.equal(model(input_ids=batch).logits, folders(input_ids=batch).logits)
+
+
+def test_lora_resumes_bit_for_bit_after_a_sigkill(lora_trained, hf, tmp_path):
+    command = [*torchrun_cmd(2, "--max-restarts=1"), TRAIN, "--no-progress", *flags(hf, *LORA)]
+    kill_a_worker_once_saved(command, tmp_path, tmp_path / "checkpoints", step=10, **OFFLINE)
+    assert summary(tmp_path / "runs/latest")["resumed_from"]
+    assert_same_model(final_model(lora_trained / "checkpoints"),
+                      final_model(tmp_path / "checkpoints"))
+
+
+def test_lora_exports_merged_or_as_an_adapter_peft_loads(lora_trained, hf, tmp_path):
+    """export: a folder transformers loads, the adapters merged into the weights (the same logits,
+    to float rounding); --adapter-only: the adapters as a folder peft loads onto --model's model
+    (the same logits)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from {{ cookiecutter.package_name }}.checkpoint.export import main as export
+
+    newest = list_checkpoints(lora_trained / "checkpoints")[0]
+    assert export(["export", str(newest), str(tmp_path / "merged")]) == 0
+    assert export(["export", str(newest), str(tmp_path / "adapter"), "--adapter-only"]) == 0
+    model = task.build_model(parse_args(["--model", str(hf / "model"), "--lora-rank", "4"],
+                                        task.Settings))
+    model.load_state_dict(load_state(newest)["model"], strict=False)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf / "model"),
+                                        tmp_path / "adapter")
+    batch = torch.randint(320, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model.eval()(input_ids=batch).logits
+        assert not torch.equal(logits, AutoModelForCausalLM.from_pretrained(hf / "model")(
+            input_ids=batch).logits)  # the adapters changed it
+        assert torch.allclose(merged(input_ids=batch).logits, logits, atol=1e-5)
+        assert torch.equal(adapter.eval()(input_ids=batch).logits, logits)
+    assert not (tmp_path / "merged/adapter_config.json").exists()
+
+
+def test_lora_refuses_what_it_cannot_do_in_one_line(hf):
+    """--from-scratch has no trained weights to adapt; tensor_parallel has no plan for peft's
+    layers; the EMA averages the adapters alone (the rest is rebuilt at every start)."""
+    from {{ cookiecutter.package_name }}.ema import EMA
+
+    def cfg(*extra: str):
+        return parse_args(["--model", str(hf / "model"), "--lora-rank", "2", *extra],
+                          task.Settings)
+
+    with pytest.raises(UsageError, match="--lora-rank adapts the trained weights of --model, "
+                                         "and --from-scratch has none"):
+        task.build_model(cfg("--from-scratch"))
+    model = task.build_model(cfg())
+    with pytest.raises(UsageError, match="--lora-rank trains under --model-layout data_parallel "
+                                         "or fsdp"):
+        task.tensor_parallel_plan(model, 2)
+    ema = EMA(model, 0.9)
+    assert len(ema.names) == 28 and all(".lora_" in name for name in ema.names)
+    assert len(model.rebuilt_weights) == len(model.state_dict()) - 28
+    assert not hasattr(task.build_model(parse_args(["--model", str(hf / "model")],
+                                                   task.Settings)), "rebuilt_weights")
+
+
+@pytest.mark.full
+@pytest.mark.fsdp
+@needs_numpy
+def test_lora_under_fsdp_resumes_bit_for_bit_after_a_sigkill(hf, tmp_path):
+    """fsdp shards the frozen model and the adapters alike; its checkpoint folders hold the
+    adapters alone, and a killed worker's group resumes to the uninterrupted run's adapters."""
+    run = flags(hf, *LORA, "--model-layout", "fsdp", "--max-steps", "20")
+    for folder in ("whole", "killed"):
+        (tmp_path / folder).mkdir()
+    ok(torchrun(run, tmp_path / "whole", timeout=300, **OFFLINE))
+    command = [*torchrun_cmd(2, "--max-restarts=1"), TRAIN, "--no-progress", *run]
+    kill_a_worker_once_saved(command, tmp_path / "killed", tmp_path / "killed/checkpoints",
+                             step=10, **OFFLINE)
+    assert summary(tmp_path / "killed/runs/latest")["resumed_from"]
+    whole = final_model(tmp_path / "whole/checkpoints")
+    assert len(whole) == 28 and all(".lora_" in name for name in whole)
+    assert_same_model(whole, final_model(tmp_path / "killed/checkpoints"))

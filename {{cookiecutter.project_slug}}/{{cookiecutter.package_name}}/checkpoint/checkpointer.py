@@ -23,7 +23,7 @@ from ..runtime.comm_hooks import PowerSGD
 from ..runtime.environments import World
 from ..runtime.lifeline import Lifeline
 from . import resume, storage
-from .files import checkpoint_path
+from .files import checkpoint_path, saved_weights
 from .folder import CheckpointDir, Staging
 
 
@@ -93,7 +93,7 @@ class Checkpointer:
 
     def _write_file(self, rng: torch.Tensor, meta: dict[str, Any], step: int) -> None:
         self._prepare_folder()
-        state = {"model": self.model.state_dict(), "rng": rng, **meta,
+        state = {"model": saved_weights(self.model), "rng": rng, **meta,
                  "optimizer": self.optim.optimizers.state_dict()}
         if self.optim.ema is not None:
             state["ema"] = self.optim.ema.state_dict()
@@ -191,8 +191,11 @@ class Checkpointer:
 
     def _open_and_pick(self) -> str | None:
         self.ckpt_dir.open()
-        # Parameters and AdamW's two moments, 4 bytes each: what one checkpoint needs on disk.
-        self.ckpt_dir.check_space(12 * sum(p.numel() for p in self.model.parameters()))
+        # The saved weights and AdamW's two moments of the trained ones, 4 bytes each: what one
+        # checkpoint needs on disk.
+        saved = sum(t.numel() for t in saved_weights(self.model).values())
+        moments = 2 * sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        self.ckpt_dir.check_space(4 * (saved + moments))
         path = resume.pick_checkpoint(self.cfg.resume, self.cfg.checkpoint_dir)
         return None if path is None else str(path)
 

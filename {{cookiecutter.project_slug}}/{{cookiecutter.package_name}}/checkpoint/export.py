@@ -1,6 +1,7 @@
 """Exports: any checkpoint (file, folder, URL) as one file that loads with `weights_only=True`;
 for a task.py with `save_pretrained(model_state, cfg, folder)` (hf_causal_lm's), as the folder it
-writes, unless OUT ends in .pt.
+writes, unless OUT ends in .pt; with --adapter-only, a task.py's `save_adapter` (a LoRA run's
+adapters alone).
 
     python -m {{ cookiecutter.package_name }}.checkpoint export SRC OUT.pt"""
 
@@ -20,7 +21,8 @@ from .files import CHECKPOINT_NAME, load_checkpoint, missing, read_meta, unreada
 from .storage import AnyPath, RemotePath
 
 
-def export(source: AnyPath, output: AnyPath, raw_weights: bool = False) -> None:
+def export(source: AnyPath, output: AnyPath, raw_weights: bool = False,
+           adapter_only: bool = False) -> None:
     """`source` as one file that loads with `weights_only=True`: `model` (the EMA's weights if the
     run kept one, unless `raw_weights`), `weights` (which), epoch, step, world_size and config."""
     target = output.resolve()  # a link to a checkpoint is that checkpoint
@@ -28,16 +30,17 @@ def export(source: AnyPath, output: AnyPath, raw_weights: bool = False) -> None:
         raise UsageError(f"{output}: an export may not replace its source or a checkpoint "
                          "(ckpt_step...); write it to another file, such as model.pt")
     model, meta = model_and_meta(source, raw_weights)
-    if hasattr(task, "save_pretrained") and not str(output).endswith(".pt"):
-        export_folder(model, meta, output)
+    if adapter_only or (hasattr(task, "save_pretrained") and not str(output).endswith(".pt")):
+        export_folder(model, meta, output, adapter_only)
         return
     keep = ("epoch", "step", "world_size", "config", "weights")
     write_file({"model": model, **{k: meta[k] for k in keep if k in meta}}, output)
 
 
-def export_folder(model: dict, meta: dict, output: AnyPath) -> None:
-    """task.save_pretrained: the model as a folder of the task's own format (a Hugging Face
-    model's), with the settings of the run that saved the checkpoint."""
+def export_folder(model: dict, meta: dict, output: AnyPath, adapter_only: bool = False) -> None:
+    """task.save_pretrained (task.save_adapter with `adapter_only`): the model as a folder of the
+    task's own format (a Hugging Face model's), with the settings of the run that saved the
+    checkpoint."""
     if isinstance(output, RemotePath):
         raise UsageError(f"{output}: the model's folder is written on this machine: give a "
                          "local folder (and copy it to the bucket), or OUT.pt for one file")
@@ -46,7 +49,7 @@ def export_folder(model: dict, meta: dict, output: AnyPath) -> None:
         raise UsageError(f"{output}: the export writes a folder, and this is a file or a folder "
                          "of other files: give a new folder, or OUT.pt for one file")
     cfg = Config.from_dict(meta.get("config", {}), getattr(task, "Settings", None))
-    task.save_pretrained(model, cfg, output)
+    (task.save_adapter if adapter_only else task.save_pretrained)(model, cfg, output)
 
 
 def model_and_meta(source: AnyPath, raw_weights: bool = False) -> tuple[dict, dict]:
@@ -83,9 +86,14 @@ def main(argv: list[str] | None = None) -> int:
                         "save_pretrained, a folder, unless it ends in .pt")
     parser.add_argument("--raw-weights", action="store_true",
                         help="the model's own weights, not the EMA's (for a run with --ema-decay)")
+    if hasattr(task, "save_adapter"):  # hf_causal_lm's task.py
+        parser.add_argument("--adapter-only", action="store_true",
+                            help="a LoRA run's adapters alone (a folder peft loads), not merged "
+                            "into the model")
     args = parser.parse_args(argv)
     try:
-        export(storage.given(args.source), storage.given(args.output), args.raw_weights)
+        export(storage.given(args.source), storage.given(args.output), args.raw_weights,
+               getattr(args, "adapter_only", False))
     except ProjectError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -149,3 +149,16 @@ def newest_complete(saved: AnyPath | None) -> str:
     """The newest complete checkpoint for an error line, as the run kept it (storage may fail)."""
     return (f"the newest complete checkpoint is {saved}" if saved is not None
             else "no checkpoint of this run is complete yet")
+
+
+def rebuilt_weights(model: torch.nn.Module) -> set[str]:
+    """The state_dict names of the weights build_model makes again at every start, which
+    checkpoints and the EMA leave out: the model's `rebuilt_weights`, where task.py sets one (a
+    LoRA run's frozen base model, read from its folder each time), else none."""
+    return set(getattr(model, "rebuilt_weights", ()))
+
+
+def saved_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The part of the model's state_dict that a checkpoint holds: all but rebuilt_weights."""
+    rebuilt = rebuilt_weights(model)
+    return {name: t for name, t in model.state_dict().items() if name not in rebuilt}

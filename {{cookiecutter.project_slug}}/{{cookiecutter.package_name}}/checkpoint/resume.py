@@ -17,7 +17,15 @@ from ..config import Config
 from ..failures import UsageError, warn
 from ..optim import Optimization
 from . import storage
-from .files import is_complete, list_checkpoints, load_checkpoint, read_meta, step_of, unreadable
+from .files import (
+    is_complete,
+    list_checkpoints,
+    load_checkpoint,
+    read_meta,
+    saved_weights,
+    step_of,
+    unreadable,
+)
 
 
 # ---------------------------------------------------------------------- which checkpoint
@@ -94,7 +102,7 @@ def check_resumable(cfg: Config, path: Path, task: Any) -> None:
     weights, meta = saved_model(path)
     with torch.device("meta"):  # the model's shapes, and its optimizers, without memory
         model = task.build_model(cfg)
-        check_same_shapes(model.state_dict(), weights, path)
+        check_same_shapes(saved_weights(model), weights, path)
         if cfg.resume != "weights-only":
             cfg.total_steps = cfg.total_steps or 1  # (a schedule's length: not checked here)
             Optimization(model, cfg, torch.device("cpu"), cfg.total_steps,
@@ -119,7 +127,7 @@ def load_into(path: Path, model: torch.nn.Module, optim: Optimization, world_siz
         saved_ema = extra.get("ema")
     else:
         state = load_checkpoint(path)
-        check_same_shapes(model.state_dict(), state["model"], path)
+        check_same_shapes(saved_weights(model), state["model"], path)
         check(state, path)
         sharded.set_full_state(model, optimizers, state["model"], state["optimizer"])
         meta, rng, saved_ema = state, state.get("rng"), state.get("ema")

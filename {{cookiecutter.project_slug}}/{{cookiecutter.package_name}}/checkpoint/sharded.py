@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ..failures import RunFailure, agree
 from ..runtime.torch_private import reusable_stager
 from . import storage
-from .files import AGAIN, META, checkpoint_path, newest_complete
+from .files import AGAIN, META, checkpoint_path, newest_complete, rebuilt_weights
 from .folder import CheckpointDir
 from .storage import AnyPath, RemotePath
 
@@ -48,21 +48,31 @@ def _fqn_optimizer_state(model: nn.Module, optimizers: Optimizers,
 
 def set_full_state(model: nn.Module, optimizers: Optimizers, model_state: dict[str, Any],
                    optimizer_state: dict[str, Any]) -> None:
-    """Load a file checkpoint's full (unsharded) state into any layout."""
+    """Load a file checkpoint's full (unsharded) state into any layout. Weights it leaves out
+    (files.rebuilt_weights) stay as built; resume.check_same_shapes checked the rest."""
+    strict = not rebuilt_weights(model)
     if not any(type(p).__name__ == "DTensor" for p in model.parameters()):  # not fsdp's shards
-        model.load_state_dict(model_state)
+        model.load_state_dict(model_state, strict=strict)
         optimizers.load_state_dict(optimizer_state)
         return
     set_state_dict(model, list(optimizers.values()), model_state_dict=model_state,
                    optim_state_dict=_fqn_optimizer_state(model, optimizers, optimizer_state),
-                   options=StateDictOptions(full_state_dict=True))
+                   options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def saved_state(model: nn.Module, optimizers: Optimizers) -> tuple[dict, dict]:
+    """The model's state as a checkpoint folder holds it (all but files.rebuilt_weights), and the
+    optimizers' (by parameter name): local shards under fsdp."""
+    model_state, optimizer_state = get_state_dict(model, list(optimizers.values()))
+    rebuilt = rebuilt_weights(model)
+    return {k: v for k, v in model_state.items() if k not in rebuilt}, optimizer_state
 
 
 def load(path: AnyPath, model: nn.Module, optimizers: Optimizers, meta: dict[str, Any],
          extra: dict[str, Any] | None = None) -> torch.Tensor | None:
     """Load a checkpoint folder (`meta`: its meta.json) into any layout (every rank), and `extra`
     state (the EMA) in place; returns the random states saved at the same world size, else None."""
-    model_state, optimizer_state = get_state_dict(model, list(optimizers.values()))
+    model_state, optimizer_state = saved_state(model, optimizers)
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, **(extra or {})}
     if meta["world_size"] == dist.get_world_size():
         state["rng"] = torch.empty(meta["rng_shape"], dtype=torch.uint8)
@@ -71,7 +81,8 @@ def load(path: AnyPath, model: nn.Module, optimizers: Optimizers, meta: dict[str
     except CheckpointException as exc:  # a BaseException: made an Exception its callers catch
         raise RuntimeError(storage.reason(exc)) from exc
     set_state_dict(model, list(optimizers.values()), model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+                   optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(strict=not rebuilt_weights(model)))
     return state.get("rng")
 
 
@@ -95,7 +106,7 @@ class ShardedCheckpoints:
         meta = {**meta, "rng_shape": list(rng.shape)}
         self.wait()  # at most one save in flight
         agree(prepare, self.comm_device)
-        model_state, optimizer_state = get_state_dict(model, list(optimizers.values()))
+        model_state, optimizer_state = saved_state(model, optimizers)
         state = {"model": model_state, "optimizer": optimizer_state, "rng": rng, **(extra or {})}
 
         def commit() -> None:  # rank 0, after every rank's shards and DCP's metadata are written

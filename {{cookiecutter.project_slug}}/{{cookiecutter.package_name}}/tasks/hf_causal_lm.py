@@ -3,19 +3,24 @@ file, to train your own model on your own data (README.md, "Your model and data"
 
 This example: a Hugging Face transformers causal language model you already have, in a folder as
 `save_pretrained` writes it (config.json, safetensors weights, tokenizer): `--model FOLDER`.
-Fine-tuned on your text (`--from-scratch`: fresh weights of its config) by next-token
-cross-entropy, scored by perplexity. `--data` is a text file, a JSON-lines file (a "text" field
-a line) or a folder of them, tokenized with the model's tokenizer: documents joined by its
-end-of-text token, packed into windows of --seq-len + 1 token ids (int64: any vocabulary).
+Fine-tuned on your text (`--from-scratch`: fresh weights of its config; `--lora-rank R`: LoRA
+adapters alone) by next-token cross-entropy, scored by perplexity. `--data` is a text file, a
+JSON-lines file (a "text" field a line) or a folder of them, tokenized with the model's tokenizer:
+documents joined by its end-of-text token, packed into windows of --seq-len + 1 token ids (int64:
+any vocabulary).
 Text larger than memory, or in a bucket: a shard set written with the model's tokenizer,
 `python -m {{ cookiecutter.package_name }}.shards TEXT SET --tokenizer FOLDER`, then --data SET.
 `python -m {{ cookiecutter.package_name }}.checkpoint export CHECKPOINT FOLDER` writes a folder
-transformers loads (save_pretrained below).
+transformers loads (save_pretrained below; a LoRA run's adapters merged, or alone with
+--adapter-only: save_adapter).
 All processes run this: print once under `if not dist.is_initialized() or dist.get_rank() == 0`.
 
 The rest of the project relies on:
     build_datasets(cfg) -> (train, val)    map-style Datasets, the same on every rank (val or None)
-    build_model(cfg) -> nn.Module          built on the CPU; the project places it on devices
+    build_model(cfg) -> nn.Module          built on the CPU; the project places it on devices;
+                                           its optional `rebuilt_weights`, a set of state_dict
+                                           names: weights it makes again at every start, left
+                                           out of checkpoints (LoRA's frozen base model)
     loss_fn(model, batch) -> Tensor        the batch's mean loss; batch is already on the device
     eval_metrics(model, batch) -> dict     per-batch sums plus a 'count'; reported as val_<name>
 Optional:
@@ -28,6 +33,7 @@ Optional:
     predict(model, inputs, cfg) -> list    one line per input (scripts/predict.py)
     tokens_per_sample(cfg), flops_per_token(model, cfg)    tokens/s and MFU in the metrics
     save_pretrained(model_state, cfg, folder)    what the export writes for a folder
+    save_adapter(model_state, cfg, folder)       what the export writes with --adapter-only
     configure_optimizer(model, cfg)        an optimizer (default: AdamW), (optimizer, scheduler)
                                            or {name: either} over parts of the model
     train_step(step, batch) -> dict        a step of your own (docs/custom-step.md)
@@ -51,7 +57,15 @@ from torch.utils.data import Dataset
 from .cross_entropy import ChunkedCrossEntropy
 from .data import InMemoryDataset, split_for_validation
 from .failures import UsageError
-from .hf import check_shard_set, plan_from_config, pretrained, save_folder
+from .hf import (
+    check_shard_set,
+    frozen_base,
+    plan_from_config,
+    pretrained,
+    save_adapter_folder,
+    save_folder,
+    with_lora,
+)
 from .settings import setting
 from .shards.read import shard_index, shard_parts
 
@@ -71,6 +85,9 @@ class Settings:
     from_scratch: bool = setting(False, "the folder's config with fresh weights (seeded by "
                                  "--seed), not its trained weights")
     seq_len: int = setting(128, "tokens of context: a sample is --seq-len + 1 tokens", low=1)
+    lora_rank: int = setting(0, "train LoRA adapters of this rank (peft) on the attention and MLP "
+                             "projections, not the model: only they train and are saved; 0: "
+                             "every weight trains", low=0, metavar="R")
 
 
 def model_name(cfg: Config) -> str:
@@ -153,10 +170,20 @@ def build_model(cfg: Config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     name = model_name(cfg)
+    if cfg.task.lora_rank and cfg.task.from_scratch:
+        raise UsageError("--lora-rank adapts the trained weights of --model, and --from-scratch "
+                         "has none: drop one of the two", everywhere=True)
     if cfg.task.from_scratch or torch.get_default_device().type == "meta":
         config = pretrained("AutoConfig", name)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return pretrained("AutoModelForCausalLM", name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        model = pretrained("AutoModelForCausalLM", name, dtype=torch.float32)
+    if cfg.task.lora_rank:
+        model = with_lora(model, cfg.task.lora_rank)
+        # The model's own weights are frozen and read from --model at every start: checkpoints
+        # hold the adapters alone (so the --model folder must stay as it is).
+        model.rebuilt_weights = frozen_base(model)
+    return model
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -181,15 +208,17 @@ def tokens_per_sample(cfg: Config) -> int:
 def flops_per_token(model: nn.Module, cfg: Config) -> float:
     """Training FLOPs per token, as nanoGPT and the PaLM paper count them: 6 per weight that
     multiplies activations (forward 2, backward 4), plus attention's 12 * layers * heads *
-    head size * context. The token table is a lookup, unless the output layer shares it."""
-    weights = sum(p.numel() for p in model.parameters())
+    head size * context; 4 per frozen weight (LoRA's base: no gradient of its own). The token
+    table is a lookup, unless the output layer shares it."""
     table, output = model.get_input_embeddings(), model.get_output_embeddings()
-    if output is None or output.weight is not table.weight:
-        weights -= table.weight.numel()
+    lookup = table.weight if output is None or output.weight is not table.weight else None
+    weights = [p for p in model.parameters() if p is not lookup]
+    trained = sum(p.numel() for p in weights if p.requires_grad)
+    frozen = sum(p.numel() for p in weights if not p.requires_grad)  # LoRA: no weight gradient
     c = model.config
     heads, layers = c.num_attention_heads, c.num_hidden_layers
     head_size = getattr(c, "head_dim", None) or c.hidden_size // heads
-    return 6 * weights + 12 * layers * heads * head_size * cfg.task.seq_len
+    return 6 * trained + 4 * frozen + 12 * layers * heads * head_size * cfg.task.seq_len
 
 
 # ---------------------------------------------------------------------- loss and metrics
@@ -241,4 +270,10 @@ def save_pretrained(model_state: dict[str, torch.Tensor], cfg: Config, folder: P
     """A checkpoint's model as a folder `AutoModelForCausalLM.from_pretrained(folder)` and
     `AutoTokenizer.from_pretrained(folder)` load: the weights as trained (safetensors), the
     --model folder's config, tokenizer and generation settings."""
-    save_folder(model_state, model_name(cfg), folder)
+    save_folder(model_state, model_name(cfg), folder, cfg.task.lora_rank)
+
+
+def save_adapter(model_state: dict[str, torch.Tensor], cfg: Config, folder: Path) -> None:
+    """A LoRA run's adapters alone (export --adapter-only), as a folder peft loads onto the
+    --model folder's model: `PeftModel.from_pretrained(model, folder)`."""
+    save_adapter_folder(model_state, model_name(cfg), folder, cfg.task.lora_rank)

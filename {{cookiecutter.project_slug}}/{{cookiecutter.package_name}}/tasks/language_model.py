@@ -12,7 +12,10 @@ All processes run this: print once under `if not dist.is_initialized() or dist.g
 
 The rest of the project relies on:
     build_datasets(cfg) -> (train, val)    map-style Datasets, the same on every rank (val or None)
-    build_model(cfg) -> nn.Module          built on the CPU; the project places it on devices
+    build_model(cfg) -> nn.Module          built on the CPU; the project places it on devices;
+                                           its optional `rebuilt_weights`, a set of state_dict
+                                           names: weights it makes again at every start, left
+                                           out of checkpoints (a LoRA run's frozen base model)
     loss_fn(model, batch) -> Tensor        the batch's mean loss; batch is already on the device
     eval_metrics(model, batch) -> dict     per-batch sums plus a 'count'; reported as val_<name>
 Optional:
