@@ -112,7 +112,7 @@ def expected_files(package: str, answers: dict) -> set[str]:
         "optim", "parallel", "plan", "settings", "step", "task")}
     files |= {f"{package}/checkpoint/{name}.py" for name in (
         "__init__", "__main__", "checkpointer", "export", "files", "folder", "resume", "sharded", "storage")}
-    files |= {f"{package}/shards/{name}.py" for name in ("__init__", "__main__", "read", "write")}
+    files |= {f"{package}/shards/{name}.py" for name in ("__init__", "__main__", "read", "text", "write")}
     files |= {f"{package}/runtime/{name}.py" for name in (
         "__init__", "backstop", "comm_hooks", "environments", "launch", "lifeline", "nccl", "network", "prefetch",
         "rendezvous", "torch_private", "trackers", "workarounds", "workers")}

@@ -208,6 +208,32 @@ def test_a_shard_set_prepared_with_the_models_tokenizer_trains(hf, tmp_path):
                                         str(tmp_path / "other")], task.Settings))
 
 
+def test_a_tokenizer_without_its_end_of_text_token_is_one_line(hf, tmp_path):
+    """prepare puts the end-of-text token between documents: a model folder whose eos_token its
+    tokenizer.json lacks, or a tokenizer.json without <|endoftext|>, is refused (they were
+    written with nothing between documents)."""
+    import shutil
+
+    from tokenizers import Tokenizer, models
+
+    from {{ cookiecutter.package_name }}.shards.write import prepare
+
+    shutil.copytree(hf / "model", tmp_path / "model")
+    settings = tmp_path / "model/tokenizer_config.json"
+    settings.write_text(json.dumps({**json.loads(settings.read_text()), "eos_token": "<|end|>"}))
+    with pytest.raises(UsageError, match=r"model: '<\|end\|>', the token put between "
+                                         r"documents, is not in its tokenizer.json; set "
+                                         r"eos_token in its tokenizer_config.json"):
+        prepare(str(hf / "text.txt"), str(tmp_path / "set"), 1, str(tmp_path / "model"),
+                progress=False)
+    Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(tmp_path / "t.json"))
+    with pytest.raises(UsageError, match=r"t.json: '<\|endoftext\|>', the token put between "
+                                         r"documents, is not in its t.json; add <\|endoftext"):
+        prepare(str(hf / "text.txt"), str(tmp_path / "set"), 1, str(tmp_path / "t.json"),
+                progress=False)
+    assert not (tmp_path / "set").exists()
+
+
 def test_a_vocabulary_past_65535_is_stored_and_read_whole(tmp_path):
     """A model folder whose tokenizer has 70,000 tokens: prepare stores int32 ids, and the task's
     windows hold the ids past 65,535 as they are."""

@@ -1,7 +1,7 @@
 """Exports: any checkpoint (file, folder, URL) as one file that loads with `weights_only=True`;
 for a task.py with `save_pretrained(model_state, cfg, folder)` (hf_causal_lm's), as the folder it
-writes, unless OUT ends in .pt; with --adapter-only, a task.py's `save_adapter` (a LoRA run's
-adapters alone).
+writes, unless OUT ends in .pt; for a task.py with `save_adapter` too, a LoRA run's adapters alone
+(its flag: export --help).
 
     python -m {{ cookiecutter.package_name }}.checkpoint export SRC OUT.pt"""
 
