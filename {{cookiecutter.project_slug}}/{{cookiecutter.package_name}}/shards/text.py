@@ -11,15 +11,12 @@ from array import array
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm import tqdm
 
 from ..failures import UsageError
 from . import TOKENIZER, checksum
-
-if TYPE_CHECKING:  # for the type hints only
-    from .write import Writer
 
 EOT = "<|endoftext|>"  # between documents (files)
 
@@ -107,8 +104,9 @@ def chunks(path: Path, size: int = 1 << 22) -> Iterator[list[str]]:
             yield lines
 
 
-def write_tokens(files: list[Path], writer: Writer, tokenizer: Any, end: str, tmp: Path,
+def write_tokens(files: list[Path], writer: Any, tokenizer: Any, end: str, tmp: Path,
                  progress: bool) -> dict[str, Any]:
+    """`files` tokenized into `writer` (write.py's Writer), each followed by `end`."""
     vocab = tokenizer.get_vocab_size()
     code = "H" if vocab <= 2**16 else "i"  # uint16 or int32 per token
     eot = [tokenizer.token_to_id(end)]
