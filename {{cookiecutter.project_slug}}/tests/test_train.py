@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -10,6 +12,7 @@ import pytest
 from conftest import (
     PROJECT_ROOT,
     assert_same_model,
+    child_env,
     ckpt_name,
     final_model,
     load_state,
@@ -24,6 +27,7 @@ from conftest import (
 )
 
 from {{ cookiecutter.package_name }}.checkpoint.files import list_checkpoints
+from {{ cookiecutter.package_name }}.runtime.workarounds import taken_rendezvous
 
 pytestmark = pytest.mark.full  # the slow tier: pytest --full
 
@@ -243,3 +247,39 @@ def test_an_endpoint_held_by_another_program_is_one_line_at_once(tmp_path, bin_d
     assert result.returncode == 1 and one_error(result).startswith(
         f"error: {endpoint} is held by a program that is not a torchrun rendezvous; ")
     assert "Traceback" not in result.stderr
+
+
+def test_a_running_jobs_endpoint_refuses_a_second_job_and_a_node_too_many(tmp_path, bin_dir):
+    """A 1-node job trains at an endpoint; a second job there (another folder), and a node rank 1
+    of 2 aimed at it, are each one line at once, where each waited silently (a spare for that
+    job's next round) until torchrun's own timeouts; the running job trains on, undisturbed,
+    and saves at its SIGTERM."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{free.getsockname()[1]}"
+    script = str(PROJECT_ROOT / "scripts/train_multinode.sh")
+    env = {"PATH": path_with(bin_dir), "NPROC": "1", "RDZV_ID": "taken", "PYTHON": sys.executable}
+    (tmp_path / "a").mkdir()
+    running = subprocess.Popen(["bash", script, "1", "0", endpoint, "--epochs", "100000",
+                                "--no-progress", "--checkpoint-dir", "ck"], cwd=tmp_path / "a",
+                               env=child_env(**env), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while taken_rendezvous(endpoint, "taken") is None:
+            assert running.poll() is None and time.monotonic() < deadline, running.stderr.read()
+            time.sleep(1)
+        for args in (["1", "0", endpoint], ["2", "1", endpoint]):
+            started = time.monotonic()
+            result = run_cmd(["bash", script, *args, "--timeout-s", "30"], tmp_path, timeout=60,
+                             **env)
+            assert time.monotonic() - started < 30
+            assert result.returncode == 1 and one_error(result).startswith(
+                f"error: the rendezvous at {endpoint} (id taken) is taken: a running job of 1 "
+                "node(s) on 127.0.0.1 started there already; give this job another port")
+        assert running.poll() is None, "the running job was not disturbed"
+    finally:
+        running.send_signal(signal.SIGTERM)
+        out, err = running.communicate(timeout=60)
+    assert running.returncode == 143 and "checkpoint saved" in out + err, err
+    assert out.count("world: 1 process") == 1, out  # its workers started once: no new round

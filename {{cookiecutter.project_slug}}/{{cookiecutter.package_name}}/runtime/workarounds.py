@@ -98,6 +98,38 @@ def use_libuv() -> bool:
     return os.environ.get("USE_LIBUV", "1") == "1"
 
 
+def taken_rendezvous(endpoint: str, run_id: str, fresh_s: float = 20.0) -> str | None:
+    """Why torchrun's c10d rendezvous at `endpoint` cannot take this node, or None: a running
+    job's nodes completed round `run_id` there and all keep it alive. Without this check, a node
+    that arrives there (a second job on the same port, a node rank too many) waits silently as a
+    spare for that job's next round until torchrun's own timeouts end it in a
+    RendezvousConnectionError traceback, minutes later. Seen with torch 2.6 to 2.13."""
+    import pickle
+    from base64 import b64decode
+    from datetime import datetime, timezone
+
+    host, _, port = endpoint.rpartition(":")
+    try:  # nothing there yet: this node hosts it, or waits for its host as torchrun does
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                              timeout=timedelta(seconds=5), use_libuv=use_libuv())
+        key = f"torch.rendezvous.{run_id}"
+        state = pickle.loads(b64decode(store.get(key))) if store.check([key]) else None
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, AttributeError):
+        return None  # not a store, or not torch's state: torchrun says what it finds
+    if not getattr(state, "complete", False) or state.closed or not state.participants:
+        return None
+    now = datetime.now(timezone.utc)
+    if any((now - state.last_heartbeats.get(node, now)).total_seconds() > fresh_s
+           for node in state.participants):  # a node that died: this may be its return
+        return None
+    hosts = sorted({node.addr for node in state.participants})
+    return (f"the rendezvous at {endpoint} (id {run_id}) is taken: a running job of "
+            f"{len(state.participants)} node(s) on {', '.join(hosts)} started there already; "
+            "give this job another port (HEAD_HOST:PORT) or rendezvous id (RDZV_ID), or wait "
+            "for that job to end")
+
+
 def torchrun_quietly(argv: list[str]) -> int:
     """torchrun, where a failure no restart cures ends the job at once and quietly (its processes
     said why), and a stop by a signal with one line and exit 128 + the signal. Without it: torchrun
@@ -128,8 +160,13 @@ def torchrun_quietly(argv: list[str]) -> int:
 
     wrap_agent_monitor(no_restart_if_final)
     logging.getLogger("torch.distributed.run").propagate = False  # plain lines, as from torchrun
+    args = parse_args(argv)
+    if args.rdzv_backend == "c10d" and (taken := taken_rendezvous(args.rdzv_endpoint,
+                                                                 args.rdzv_id)):
+        print(f"error: {taken}", file=sys.stderr, flush=True)
+        return 1
     try:
-        run(parse_args(argv))
+        run(args)
     except api.SignalException as stop:
         print(f"torchrun: stopped by {signal.Signals(stop.sigval).name}; its training processes "
               "were stopped too", file=sys.stderr, flush=True)
