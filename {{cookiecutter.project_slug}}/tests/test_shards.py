@@ -259,7 +259,9 @@ def test_a_prepare_never_writes_into_its_source_nor_onto_another_sources_set(tmp
     prepare(str(source), str(tmp_path / "set"), 1, progress=False)
     assert "complete shard set (12 images in 1 shards): nothing to do" in capsys.readouterr().out
     (tmp_path / "set" / "index.json").unlink()
-    with pytest.raises(UsageError, match="an unfinished shard set .* write one with python -m"):
+    with pytest.raises(UsageError, match=r"set: 00000.bin and no index.json \(a shard set whose "
+                                         r"prepare stopped, or another tool's .bin files\); "
+                                         "write one with python -m"):
         read.shard_index(str(tmp_path / "set"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsageError, match="neither images .* nor .txt files in it"):

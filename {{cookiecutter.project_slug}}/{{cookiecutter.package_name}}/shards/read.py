@@ -59,7 +59,8 @@ def shard_index(data: str | Path | None) -> dict[str, Any] | None:
                          everywhere=True) from None
     if not found and (storage.is_url(data) or (root / "00000.bin").exists()):
         what = (f"no shard set there (no {INDEX})" if storage.is_url(data) else
-                f"an unfinished shard set (no {INDEX}: its prepare stopped)")
+                f"00000.bin and no {INDEX} (a shard set whose prepare stopped, or another "
+                "tool's .bin files)")
         raise UsageError(f"--data {storage.redact(data)}: {what}; write one with python -m "
                          f"{__package__} SOURCE {storage.redact(data)}", everywhere=True)
     try:
