@@ -252,8 +252,9 @@ def test_an_endpoint_held_by_another_program_is_one_line_at_once(tmp_path, bin_d
 def test_a_running_jobs_endpoint_refuses_a_second_job_and_a_node_too_many(tmp_path, bin_dir):
     """A 1-node job trains at an endpoint; a second job there (another folder), and a node rank 1
     of 2 aimed at it, are each one line at once, where each waited silently (a spare for that
-    job's next round) until torchrun's own timeouts; the running job trains on, undisturbed,
-    and saves at its SIGTERM."""
+    job's next round) until torchrun's own timeouts; so is a job of another rendezvous id there,
+    which ran its rendezvous on the running job's store. The running job trains on,
+    undisturbed, and saves at its SIGTERM."""
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         endpoint = f"127.0.0.1:{free.getsockname()[1]}"
@@ -266,7 +267,7 @@ def test_a_running_jobs_endpoint_refuses_a_second_job_and_a_node_too_many(tmp_pa
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
-        while taken_rendezvous(endpoint, "taken") is None:
+        while taken_rendezvous(endpoint, "taken", "127.0.0.1") is None:
             assert running.poll() is None and time.monotonic() < deadline, running.stderr.read()
             time.sleep(1)
         for args in (["1", "0", endpoint], ["2", "1", endpoint]):
@@ -277,6 +278,11 @@ def test_a_running_jobs_endpoint_refuses_a_second_job_and_a_node_too_many(tmp_pa
             assert result.returncode == 1 and one_error(result).startswith(
                 f"error: the rendezvous at {endpoint} (id taken) is taken: a running job of 1 "
                 "node(s) on 127.0.0.1 started there already; give this job another port")
+        result = run_cmd(["bash", script, "1", "0", endpoint], tmp_path, timeout=60,
+                         **{**env, "RDZV_ID": "mine"})
+        assert result.returncode == 1 and one_error(result).startswith(
+            f"error: {endpoint} is another job's: a torch store answers there without "
+            "rendezvous id mine; give this job another port")
         assert running.poll() is None, "the running job was not disturbed"
     finally:
         running.send_signal(signal.SIGTERM)

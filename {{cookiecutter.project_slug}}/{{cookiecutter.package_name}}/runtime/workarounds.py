@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from contextlib import suppress
 from datetime import timedelta
@@ -98,12 +99,17 @@ def use_libuv() -> bool:
     return os.environ.get("USE_LIBUV", "1") == "1"
 
 
-def taken_rendezvous(endpoint: str, run_id: str, fresh_s: float = 20.0) -> str | None:
+def taken_rendezvous(endpoint: str, run_id: str, local_addr: str | None,
+                     fresh_s: float = 20.0) -> str | None:
     """Why torchrun's c10d rendezvous at `endpoint` cannot take this node, or None: a running
-    job's nodes completed round `run_id` there and all keep it alive. Without this check, a node
-    that arrives there (a second job on the same port, a node rank too many) waits silently as a
+    job's nodes completed round `run_id` there and all keep it alive (none is a dead agent of
+    this machine, `local_addr`, which this node would replace), or the store there holds no
+    rendezvous `run_id` (another job's, of another id). Without this check, a node that arrives
+    at a running job (a second job on the same port, a node rank too many) waits silently as a
     spare for that job's next round until torchrun's own timeouts end it in a
-    RendezvousConnectionError traceback, minutes later. Seen with torch 2.6 to 2.13."""
+    RendezvousConnectionError traceback, minutes later; at another id's store, it runs its own
+    rendezvous on a store that ends with the other job (or, hosting, a traceback). Seen with
+    torch 2.6 to 2.13."""
     import pickle
     from base64 import b64decode
     from datetime import datetime, timezone
@@ -114,20 +120,40 @@ def taken_rendezvous(endpoint: str, run_id: str, fresh_s: float = 20.0) -> str |
         store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
                               timeout=timedelta(seconds=5), use_libuv=use_libuv())
         key = f"torch.rendezvous.{run_id}"
-        state = pickle.loads(b64decode(store.get(key))) if store.check([key]) else None
+        if not store.check([key]):
+            time.sleep(1)  # a peer hosting the store writes the key right after starting it
+            if not store.check([key]):
+                return (f"{endpoint} is another job's: a torch store answers there without "
+                        f"rendezvous id {run_id}; give this job another port (HEAD_HOST:PORT), "
+                        "or every node of one job the same rendezvous id (RDZV_ID)")
+        state = pickle.loads(b64decode(store.get(key)))
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, AttributeError):
         return None  # not a store, or not torch's state: torchrun says what it finds
     if not getattr(state, "complete", False) or state.closed or not state.participants:
         return None
-    now = datetime.now(timezone.utc)
-    if any((now - state.last_heartbeats.get(node, now)).total_seconds() > fresh_s
-           for node in state.participants):  # a node that died: this may be its return
+    now, here = datetime.now(timezone.utc), local_addr or socket.getfqdn()
+
+    def gone(node: Any) -> bool:  # a node that died: this may be its return
+        silent = (now - state.last_heartbeats.get(node, now)).total_seconds() > fresh_s
+        return silent or (node.addr == here and not alive(node.pid))
+
+    if any(map(gone, state.participants)):
         return None
     hosts = sorted({node.addr for node in state.participants})
     return (f"the rendezvous at {endpoint} (id {run_id}) is taken: a running job of "
             f"{len(state.participants)} node(s) on {', '.join(hosts)} started there already; "
             "give this job another port (HEAD_HOST:PORT) or rendezvous id (RDZV_ID), or wait "
             "for that job to end")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
 
 
 def torchrun_quietly(argv: list[str]) -> int:
@@ -161,8 +187,8 @@ def torchrun_quietly(argv: list[str]) -> int:
     wrap_agent_monitor(no_restart_if_final)
     logging.getLogger("torch.distributed.run").propagate = False  # plain lines, as from torchrun
     args = parse_args(argv)
-    if args.rdzv_backend == "c10d" and (taken := taken_rendezvous(args.rdzv_endpoint,
-                                                                 args.rdzv_id)):
+    if args.rdzv_backend == "c10d" and (taken := taken_rendezvous(
+            args.rdzv_endpoint, args.rdzv_id, args.local_addr)):
         print(f"error: {taken}", file=sys.stderr, flush=True)
         return 1
     try:
