@@ -102,7 +102,7 @@ def test_the_answers_are_the_projects_defaults(baked_once, answers):
                              ("mlflow", "mlflow-skinny")):
         assert (package in dependencies) == (answers["tracker"] == tracker), tracker
     assert ("numpy" in dependencies) == (answers["model_layout"] in ("fsdp", "tensor_parallel"))
-    for package in ("transformers", "tokenizers", "safetensors"):  # the Hugging Face task's only
+    for package in ("transformers", "tokenizers", "safetensors", "peft"):  # the HF task's only
         assert (package in dependencies) == (answers["task"] == "hf_causal_lm"), package
     extras = tomllib.loads((project / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
