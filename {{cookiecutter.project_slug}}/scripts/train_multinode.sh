@@ -50,20 +50,10 @@ if [[ "$LOCAL_ADDR" != 127.* && "$LOCAL_ADDR" != "::1" ]]; then
   NETWORK+=(--rdzv-conf="is_host=$IS_HOST")
 fi
 echo "node $NODE_RANK: $LOCAL_ADDR on ${IFACE}, rendezvous at $ENDPOINT (this node hosts it: $IS_HOST)"
-# The endpoint on this node held by another program: torchrun would take it for a peer's
-# rendezvous and wait minutes for an answer. Torch's store answers a PING (its protocol: VALIDATE
-# with the magic number, then PING with 4 bytes it sends back) at once; 2 s without one is refused.
-if [[ "$IS_HOST" == true ]] && { exec 3<>"/dev/tcp/${ENDPOINT%:*}/${ENDPOINT##*:}"; } 2>/dev/null; then
-  printf '\x00\xce\xf7\x85\x3c\x0dLOOK' >&3
-  if ! read -r -t 2 -N 4 ANSWER <&3 || [[ "$ANSWER" != LOOK ]]; then
-    echo "error: $ENDPOINT is held by a program that is not a torchrun rendezvous; stop it, or give" \
-      "this job another port (HEAD_HOST:PORT)" >&2
-    exit 1
-  fi
-  exec 3>&-
-fi
 # Through runtime/workarounds.py: a mistake found in the processes ends this node's torchrun at
-# once (no restart cures it), and a stop by a signal with one line, not the agent's traceback.
+# once (no restart cures it), and a stop by a signal with one line, not the agent's traceback;
+# an endpoint held by a program that is not a torchrun rendezvous, or by a running job, is one
+# line before torchrun starts (it would wait minutes there).
 exec "$PYTHON" -m {{ cookiecutter.package_name }}.runtime.workarounds torchrun \
   --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC" \
   --rdzv-backend=c10d --rdzv-endpoint="$ENDPOINT" --rdzv-id="${RDZV_ID:-ddp-job}" \

@@ -233,20 +233,27 @@ def test_the_multinode_scripts_arguments_are_one_line_naming_the_argument(tmp_pa
 
 def test_an_endpoint_held_by_another_program_is_one_line_at_once(tmp_path, bin_dir):
     """A program that accepts connections and never answers, on the head's endpoint: torchrun
-    would wait minutes for it; the script's probe (a store answers a PING at once) says so in one
-    line within its 2 s."""
+    would wait minutes for it, and so did the check for a running job's rendezvous (its store
+    client). The probe before torchrun (a store answers a PING at once) says so in one line
+    within its 2 s, on the head node and on a node that joins it. Once that program has gone
+    (nothing listens), the probe lets torchrun wait for its head as usual, at once."""
+    script = str(PROJECT_ROOT / "scripts/train_multinode.sh")
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
         other.listen(4)  # connections complete in the backlog; nothing is ever sent back
         endpoint = f"127.0.0.1:{other.getsockname()[1]}"
-        started = time.monotonic()
-        result = run_cmd(["bash", str(PROJECT_ROOT / "scripts/train_multinode.sh"), "1", "0",
-                          endpoint, "--timeout-s", "30"], tmp_path, PATH=path_with(bin_dir),
-                         PYTHON=sys.executable, timeout=60)
-    assert time.monotonic() - started < 30
-    assert result.returncode == 1 and one_error(result).startswith(
-        f"error: {endpoint} is held by a program that is not a torchrun rendezvous; ")
-    assert "Traceback" not in result.stderr
+        for nodes, rank in (("1", "0"), ("2", "1")):
+            started = time.monotonic()
+            result = run_cmd(["bash", script, nodes, rank, endpoint, "--timeout-s", "30"],
+                             tmp_path, PATH=path_with(bin_dir), PYTHON=sys.executable,
+                             timeout=60)
+            assert time.monotonic() - started < 30
+            assert result.returncode == 1 and one_error(result).startswith(
+                f"error: {endpoint} is held by a program that is not a torchrun rendezvous; ")
+            assert "Traceback" not in result.stderr
+    started = time.monotonic()
+    assert taken_rendezvous(endpoint, "gone", "127.0.0.1") is None
+    assert time.monotonic() - started < 5
 
 
 def test_a_running_jobs_endpoint_refuses_a_second_job_and_a_node_too_many(tmp_path, bin_dir):

@@ -24,6 +24,9 @@ from .torch_private import stop_restarts, wrap_agent_monitor
 
 UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN}  # a host that is gone
 CLEANUPS: list[Callable[[], object]] = []  # e.g. downloads to delete: exit_process runs them
+# torch's TCPStore protocol: VALIDATE with its magic number, then PING with 4 bytes a store sends
+# straight back.
+STORE_PING = b"\x00\xce\xf7\x85\x3c\x0dLOOK"
 
 
 def exit_process(code: int) -> NoReturn:
@@ -108,17 +111,30 @@ def taken_rendezvous(endpoint: str, run_id: str, local_addr: str | None,
     at a running job (a second job on the same port, a node rank too many) waits silently as a
     spare for that job's next round until torchrun's own timeouts end it in a
     RendezvousConnectionError traceback, minutes later; at another id's store, it runs its own
-    rendezvous on a store that ends with the other job (or, hosting, a traceback). Seen with
-    torch 2.6 to 2.13."""
+    rendezvous on a store that ends with the other job (or, hosting, a traceback); at a program
+    that is not a store, it waits minutes for an answer. Seen with torch 2.6 to 2.13."""
     import pickle
     from base64 import b64decode
     from datetime import datetime, timezone
 
     host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
     try:  # nothing there yet: this node hosts it, or waits for its host as torchrun does
-        socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
-        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
-                              timeout=timedelta(seconds=5), use_libuv=use_libuv())
+        probe = socket.create_connection((host, int(port)), timeout=2)
+    except (OSError, ValueError):
+        return None
+    with probe:  # the store client below would wait for ever on a program that never answers
+        try:
+            probe.sendall(STORE_PING)
+            answer = probe.recv(len(b"LOOK"), socket.MSG_WAITALL)
+        except OSError:  # 2 s without an answer
+            answer = b""
+    if answer != b"LOOK":
+        return (f"{endpoint} is held by a program that is not a torchrun rendezvous; stop it, or "
+                "give this job another port (HEAD_HOST:PORT)")
+    try:
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5),
+                              use_libuv=use_libuv())
         key = f"torch.rendezvous.{run_id}"
         if not store.check([key]):
             time.sleep(1)  # a peer hosting the store writes the key right after starting it
