@@ -36,6 +36,9 @@ BUDGET_S = {  # with INSTALL_S: 2,735 s, 35 s over the 2,700 s of 45 minutes (Lo
     # hf_causal_lm: its task tests (2-process runs, each process importing transformers); +30 s
     # for LoRA (a run, a killed worker's, fsdp's two; 109 s measured alone on 2026-12-07).
     "tests/test_generated_runs.py::test_the_hf_causal_lm_bake_passes_its_tests": 110,
+    # hf_causal_lm x tensor_parallel: 4 processes 2 x 2, a killed worker's restart, and one
+    # process (51 s measured alone on 2026-12-07).
+    "tests/test_generated_runs.py::test_the_hf_causal_lm_tensor_parallel_bake_trains_it_2_by_2": 55,
     "tests/test_generated_runs.py": 185,  # the venv, the README's commands, trackers, a minimal task
     "tests/test_fault_tolerance.py": 260,
     "tests/test_container.py": 105,

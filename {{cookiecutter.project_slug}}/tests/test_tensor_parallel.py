@@ -36,6 +36,7 @@ from conftest import (
     summary,
     torchrun,
     torchrun_cmd,
+    why_not_the_example_task,
     workers,
 )
 from torch import nn
@@ -45,8 +46,16 @@ from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.failures import UsageError
 from {{ cookiecutter.package_name }}.tensor_parallel import task_plan
 
-pytestmark = [pytest.mark.full, pytest.mark.skipif(
-    not hasattr(task, "tensor_parallel_plan"), reason="task.py has no tensor_parallel_plan")]
+# These run the example task (its --dataset-size and --hidden-size); a task of your own tests its
+# tensor-parallel run in tests/test_task.py (hf_causal_lm's shows how).
+NOT_THE_EXAMPLE = why_not_the_example_task()
+pytestmark = [
+    pytest.mark.full,
+    pytest.mark.skipif(not hasattr(task, "tensor_parallel_plan"),
+                       reason="task.py has no tensor_parallel_plan"),
+    pytest.mark.skipif(NOT_THE_EXAMPLE is not None,
+                       reason=f"uses the example task; {NOT_THE_EXAMPLE}"),
+]
 # Before torch 2.9 a CPU run is one error line (test_a_task_without_a_plan_is_one_error_line).
 TRAINS = pytest.mark.skipif(torch.__version__ < "2.9", reason="FSDP2 over gloo needs torch 2.9")
 

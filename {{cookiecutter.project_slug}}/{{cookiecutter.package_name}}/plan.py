@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from . import task
+from .checkpoint.files import rebuilt_weights
 from .config import LAYOUTS, SHARDED, Config
 from .data import BatchFetcher
 from .evaluation import without_validation
@@ -59,6 +60,8 @@ def static_memory(cfg: Config, layout: str, world: int,
     # DDP's buckets hold a gradient copy unless they are views; PowerSGD's error feedback one more.
     copies = (not cfg.gradient_as_bucket_view) + (cfg.comm_hook == "powersgd") if (
         shards == 1 and not sizes) else 0
+    rebuilt = rebuilt_weights(model)  # frozen and rebuilt at every start: not averaged (ema.py)
+    averaged = {id(p) for name, p in model.named_parameters() if name not in rebuilt}
     for p in model.parameters():  # each shared parameter once
         gpu = out[owner[id(p)]]
         local = sizes[id(p)] if sizes else rows_on_rank(p, shards)
@@ -69,7 +72,7 @@ def static_memory(cfg: Config, layout: str, world: int,
         # other state (AdamW's `step`, a factored optimizer's) is counted whole: at most.
         gpu["optimizer state"] += sum((local if t.shape == p.shape else t.numel())
                                       * t.element_size() for t in (state or {}).get(id(p), []))
-        gpu["EMA weights"] += local * 4 if cfg.ema_decay else 0  # ema.py: an fp32 copy
+        gpu["EMA weights"] += local * 4 if cfg.ema_decay and id(p) in averaged else 0  # fp32
     for b in model.buffers():  # not sharded
         out[owner[id(b)]]["buffers"] += b.numel() * b.element_size()
     for gpu in out if state is None else []:
@@ -224,6 +227,18 @@ def table(cfg: Config, columns: list[tuple[str, str, dict]], gpu_gb: float) -> d
                         if name == layout) for layout in LAYOUTS}
 
 
+def model_line(model: nn.Module, optimizer: str, unknown_state: bool) -> str:
+    """The plan's line on the model: its size, how much of it trains, its optimizer."""
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    frozen = f" ({trainable:,} of them train)" if trainable < total else ""
+    unknown = " (n/a: its state not estimated, it does not step on the meta device)"
+    return (f"model {type(model).__name__}: {total:,} parameters in {len(params)} tensors"
+            f"{frozen}, fp32 (16-bit precisions compute in 16 bits from fp32 master weights); "
+            f"optimizer {optimizer}{unknown if unknown_state else ''}")
+
+
 def plan(cfg: Config, world: int, gpu_gb: float, per_node: int) -> int:
     """Print the plan; 0 when --model-layout fits and no setting is wrong, else 1."""
     try:
@@ -252,11 +267,9 @@ def plan(cfg: Config, world: int, gpu_gb: float, per_node: int) -> int:
             columns.append((layout, f"GPU {i}" if len(gpus) == 2 else "", figures))
     print(f"plan: {world} processes, {gpu_gb:g} GB per GPU ({RESERVE_GB:g} GB of it kept for "
           f"the CUDA context, NCCL and the allocator), --batch-size {cfg.batch_size} per process, "
-          f"--precision {cfg.precision}\nmodel {type(model).__name__}: "
-          f"{sum(p.numel() for p in params):,} parameters in {len(params)} tensors, fp32 (16-bit "
-          f"precisions compute in 16 bits from fp32 master weights); optimizer {optimizer}"
-          + (" (n/a: its state not estimated, it does not step on the meta device)" if any(
-              figures["optimizer state"] is None for _, _, figures in columns) else "") + "\n")
+          f"--precision {cfg.precision}")
+    unknown = any(figures["optimizer state"] is None for _, _, figures in columns)
+    print(model_line(model, optimizer, unknown) + "\n")
     fits = table(cfg, columns, gpu_gb)
     for layout, error in errors.items():
         print(f"{layout}: cannot take this model: {error}")

@@ -28,6 +28,7 @@ from conftest import (
     needs_numpy,
     ok,
     one_error,
+    python_train,
     read_metrics,
     run_cmd,
     summary,
@@ -176,6 +177,39 @@ def test_fsdp_with_activation_checkpointing_trains_layer_by_layer(hf, tmp_path):
     losses = [m["loss"] for m in read_metrics(tmp_path / "runs/latest")]
     assert losses[-1] < 0.8 * losses[0], losses
     assert list_checkpoints(tmp_path / "checkpoints")[0].is_dir()  # fsdp's DCP folders
+
+
+# Only a model_layout=tensor_parallel bake has the layout (its module, its flags).
+NO_TENSOR_PARALLEL = "this bake has no tensor_parallel layout (model_layout=tensor_parallel has)"
+
+
+@pytest.mark.full
+@pytest.mark.skipif(importlib.util.find_spec("{{ cookiecutter.package_name }}.tensor_parallel")
+                    is None, reason=NO_TENSOR_PARALLEL)
+@pytest.mark.skipif(torch.__version__ < "2.9", reason="tensor_parallel over gloo needs torch 2.9")
+def test_tensor_parallel_two_by_two_learns_as_one_process_and_resumes(hf, tmp_path):
+    """4 processes, 2 x 2: the plan from the model's config splits its heads and MLP over 2 ranks,
+    a worker is SIGKILLed after the step-10 checkpoint and the group restarts from it. Its losses
+    and its final weights are those of one process with the same global batch (4 x 8 windows)."""
+    run = ["--max-steps", "20", "--log-every", "2"]
+    two_by_two = [*torchrun_cmd(4, "--max-restarts=1"), TRAIN, "--no-progress",
+                  *flags(hf, *run, "--model-layout", "tensor_parallel", "--tp-size", "2",
+                         "--batch-size", "8", "--checkpoint-dir", "tp", "--output-dir", "runs/tp")]
+    kill_a_worker_once_saved(two_by_two, tmp_path, tmp_path / "tp", step=10, worker=3, **OFFLINE)
+    ok(python_train(flags(hf, *run, "--model-layout", "data_parallel", "--batch-size", "32",
+                          "--checkpoint-dir", "one", "--output-dir", "runs/one"),
+                    tmp_path, timeout=300, **OFFLINE))
+    assert summary(tmp_path / "runs/tp")["resumed_from"]
+    for key, steps in (("loss", set(range(2, 21, 2))), ("val_loss", {20})):
+        # The restarted run logs again the steps after step 10: the last record of a step counts.
+        tp = {m["step"]: m[key] for m in read_metrics(tmp_path / "runs/tp", key)}
+        one = {m["step"]: m[key] for m in read_metrics(tmp_path / "runs/one", key)}
+        assert tp.keys() == one.keys() == steps, (tp, one)
+        assert list(tp.values()) == pytest.approx(list(one.values()), rel=1e-4), key
+    one, tp = final_model(tmp_path / "one"), final_model(tmp_path / "tp")
+    assert tp.keys() == one.keys()
+    for name, weight in one.items():
+        assert torch.allclose(tp[name], weight, atol=1e-4), name
 
 
 def test_a_shard_set_prepared_with_the_models_tokenizer_trains(hf, tmp_path):
@@ -378,6 +412,37 @@ def test_lora_exports_merged_or_as_an_adapter_peft_loads(lora_trained, hf, tmp_p
         assert torch.allclose(merged(input_ids=batch).logits, logits, atol=1e-5)
         assert torch.equal(adapter.eval()(input_ids=batch).logits, logits)
     assert not (tmp_path / "merged/adapter_config.json").exists()
+
+
+def test_the_plan_holds_every_weight_and_trains_the_adapters_alone(hf):
+    """doctor --plan with --lora-rank: every weight is on the GPU, but only the adapters have
+    gradients, AdamW's state (2 copies and a step each) and an EMA copy."""
+    from {{ cookiecutter.package_name }}.plan import model_line, static_memory
+
+    cfg = parse_args(["--model", str(hf / "model"), *LORA, "--ema-decay", "0.99"], task.Settings)
+    model = task.build_model(cfg)
+    adapters = [p.numel() for name, p in model.named_parameters() if ".lora_" in name]
+    total = sum(p.numel() for p in model.parameters())
+    figures = static_memory(cfg, "data_parallel", 2)[0][0]
+    assert figures["parameters"] == 4 * total
+    assert figures["gradients"] == figures["EMA weights"] == 4 * sum(adapters)
+    assert figures["optimizer state"] == 8 * sum(adapters) + 4 * len(adapters)
+    assert f"{total:,} parameters in {len(list(model.parameters()))} tensors ({sum(adapters):,} " \
+           "of them train)" in model_line(model, "AdamW", False)
+
+
+@pytest.mark.full
+def test_lora_compiled_and_checkpointed_layer_by_layer_learns_the_same(lora_trained, hf, tmp_path):
+    """--compile and --activation-checkpointing (each decoder layer recomputed in the backward)
+    with the adapters on: the same losses as the plain LoRA run, and the same adapters saved."""
+    ok(torchrun(flags(hf, *LORA, "--compile", "--activation-checkpointing"), tmp_path,
+                timeout=300, **OFFLINE))
+    plain = [m["loss"] for m in read_metrics(lora_trained / "runs/latest")]
+    assert [m["loss"] for m in read_metrics(tmp_path / "runs/latest")] == pytest.approx(
+        plain, rel=1e-4)
+    newest = load_state(list_checkpoints(tmp_path / "checkpoints")[0])["model"]
+    assert newest.keys() == load_state(list_checkpoints(lora_trained / "checkpoints")[0])[
+        "model"].keys()
 
 
 def test_lora_refuses_what_it_cannot_do_in_one_line(hf):
