@@ -46,16 +46,13 @@ from {{ cookiecutter.package_name }}.config import parse_args
 from {{ cookiecutter.package_name }}.failures import UsageError
 from {{ cookiecutter.package_name }}.tensor_parallel import task_plan
 
-# These run the example task (its --dataset-size and --hidden-size); a task of your own tests its
-# tensor-parallel run in tests/test_task.py (hf_causal_lm's shows how).
+pytestmark = [pytest.mark.full, pytest.mark.skipif(
+    not hasattr(task, "tensor_parallel_plan"), reason="task.py has no tensor_parallel_plan")]
+# The tests marked so run the example task (its --dataset-size and --hidden-size); a task of your
+# own tests its tensor-parallel run in tests/test_task.py (hf_causal_lm's shows how).
 NOT_THE_EXAMPLE = why_not_the_example_task()
-pytestmark = [
-    pytest.mark.full,
-    pytest.mark.skipif(not hasattr(task, "tensor_parallel_plan"),
-                       reason="task.py has no tensor_parallel_plan"),
-    pytest.mark.skipif(NOT_THE_EXAMPLE is not None,
-                       reason=f"uses the example task; {NOT_THE_EXAMPLE}"),
-]
+EXAMPLE = pytest.mark.skipif(NOT_THE_EXAMPLE is not None,
+                             reason=f"uses the example task; {NOT_THE_EXAMPLE}")
 # Before torch 2.9 a CPU run is one error line (test_a_task_without_a_plan_is_one_error_line).
 TRAINS = pytest.mark.skipif(torch.__version__ < "2.9", reason="FSDP2 over gloo needs torch 2.9")
 
@@ -86,6 +83,7 @@ def runs(tmp_path_factory) -> Path:
     return made_once(tmp_path_factory, "tensor-parallel", make)
 
 
+@EXAMPLE
 @TRAINS
 def test_two_by_two_learns_as_one_process_with_the_same_global_batch(runs):
     a, one = runs / "runs/a", runs / "runs/one"
@@ -95,6 +93,7 @@ def test_two_by_two_learns_as_one_process_with_the_same_global_batch(runs):
         assert losses(a, key) == pytest.approx(losses(one, key), rel=1e-5), key
 
 
+@EXAMPLE
 @TRAINS
 def test_each_rank_holds_its_part_of_each_split_weight(runs):
     """In the checkpoint's metadata: the plan's first colwise weight in 4 pieces (tp x dp: 1/4 of
@@ -115,6 +114,7 @@ def test_each_rank_holds_its_part_of_each_split_weight(runs):
     assert pieces[whole] == [[math.ceil(rows / 2), *rest], [rows // 2, *rest]], pieces
 
 
+@EXAMPLE
 @TRAINS
 def test_a_killed_worker_restarts_and_ends_bit_for_bit(runs):
     resumed = summary(runs / "runs/b")["resumed_from"]  # step 6, or a later one saved meanwhile
@@ -122,6 +122,7 @@ def test_a_killed_worker_restarts_and_ends_bit_for_bit(runs):
     assert_same_model(final_model(runs / "a"), final_model(runs / "b"))
 
 
+@EXAMPLE
 @TRAINS
 def test_its_checkpoints_resume_under_the_other_layouts_and_back(runs, tmp_path):
     """Step 6 of a, resumed on 2 ranks under fsdp and on one under data_parallel (global batch 64
@@ -146,6 +147,7 @@ def test_its_checkpoints_resume_under_the_other_layouts_and_back(runs, tmp_path)
     task.build_model(parse_args(SMALL, task.Settings)).load_state_dict(exported["model"])
 
 
+@EXAMPLE
 @TRAINS
 def test_a_frozen_peer_of_a_tensor_parallel_group_is_named_within_the_timeout(tmp_path):
     """Rank 3 frozen (SIGSTOP: a hung GPU, a stuck host) in a 2 x 2 run: a rank names it within
@@ -173,6 +175,7 @@ def test_a_frozen_peer_of_a_tensor_parallel_group_is_named_within_the_timeout(tm
     assert took < 5 + 15, f"took {took:.1f} s to notice"
 
 
+@EXAMPLE
 @TRAINS
 @pytest.mark.network
 def test_a_host_that_drops_off_ends_every_process_of_both_hosts(hosts, tmp_path, bin_dir):
@@ -207,6 +210,7 @@ def test_a_host_that_drops_off_ends_every_process_of_both_hosts(hosts, tmp_path,
     print(f"host 1 cut off: every process of both hosts ended {took:.1f} s later")
 
 
+@EXAMPLE
 def test_a_task_without_a_plan_is_one_error_line(tmp_path):
     """Before torch's own check: on a torch before 2.9, a run with the plan is that torch's line
     (FSDP2 on a CPU, runtime/torch_private.py), and the plan's checks, in-process, pass."""
@@ -221,6 +225,7 @@ def test_a_task_without_a_plan_is_one_error_line(tmp_path):
                f"gloo, which torch {torch.__version__} lacks; install torch 2.9" in line, line
 
 
+@EXAMPLE
 def test_the_examples_plan_names_each_layer_in_the_models_order():
     model = task.build_model(parse_args(TP, task.Settings))
     layers = task_plan(model, task, 2)
@@ -279,6 +284,7 @@ def test_a_right_plan_is_the_models_order_and_the_sizes_tp_divides():
         task_plan(Toy(), Own, 3)
 
 
+@EXAMPLE
 def test_the_plan_counts_each_ranks_share_and_refuses_what_the_run_refuses():
     """doctor --plan's figures for 2 x 2: the pieces the checkpoint's metadata shows above; and
     the refusals of the run (a bad plan, --compile, a step of one's own), in the same words."""
@@ -302,6 +308,7 @@ def test_the_plan_counts_each_ranks_share_and_refuses_what_the_run_refuses():
         static_memory(parse_args([*TP, "--compile"], task.Settings), "tensor_parallel", 4)
 
 
+@EXAMPLE
 @TRAINS
 @pytest.mark.parametrize("mistake", ["--compile", "train_step", "head colwise"])
 def test_the_run_refuses_what_it_does_not_do_yet_in_one_line(tmp_path, mistake):

@@ -61,7 +61,7 @@ def static_memory(cfg: Config, layout: str, world: int,
     copies = (not cfg.gradient_as_bucket_view) + (cfg.comm_hook == "powersgd") if (
         shards == 1 and not sizes) else 0
     rebuilt = rebuilt_weights(model)  # frozen and rebuilt at every start: not averaged (ema.py)
-    averaged = {id(p) for name, p in model.named_parameters() if name not in rebuilt}
+    averaged = {id(p) for key, p in model.named_parameters() if key not in rebuilt}
     for p in model.parameters():  # each shared parameter once
         gpu = out[owner[id(p)]]
         local = sizes[id(p)] if sizes else rows_on_rank(p, shards)

@@ -149,6 +149,35 @@ def test_the_export_is_a_folder_transformers_loads_with_the_same_logits(trained,
         assert torch.equal(exported(input_ids=batch).logits, model.eval()(input_ids=batch).logits)
 
 
+def test_tied_embeddings_stay_one_tensor_in_the_run_the_checkpoint_and_the_export(hf, tmp_path):
+    """Llama 3.2, Qwen2.5's small models and GPT-2 share the token table with the output layer
+    (tie_word_embeddings): trained as one tensor, saved under both names, exported tied; its
+    FLOPs count the table once, as the output layer's matrix product."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(hf / "model")
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tied")
+    AutoTokenizer.from_pretrained(hf / "model").save_pretrained(tmp_path / "tied")
+    ok(torchrun(["--model", str(tmp_path / "tied"), "--data", str(hf / "text.txt"), *FLAGS,
+                 "--max-steps", "10"], tmp_path, timeout=300, **OFFLINE))
+    newest = list_checkpoints(tmp_path / "checkpoints")[0]
+    state = load_state(newest)["model"]
+    assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    first = AutoModelForCausalLM.from_pretrained(tmp_path / "tied").lm_head.weight
+    assert not torch.equal(state["lm_head.weight"], first)  # trained
+    ok(run_cmd([sys.executable, "-m", "{{ cookiecutter.package_name }}.checkpoint", "export",
+                str(newest), str(tmp_path / "exported")], tmp_path, **OFFLINE))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight
+    assert torch.equal(exported.lm_head.weight, state["lm_head.weight"])
+    cfg = parse_args(["--model", str(tmp_path / "tied"), "--seq-len", "32"], task.Settings)
+    model = task.build_model(cfg)
+    weights = sum(p.numel() for p in model.parameters())  # the shared table once
+    assert task.flops_per_token(model, cfg) == 6 * weights + 12 * 2 * 4 * 8 * 32
+
+
 def test_predict_continues_each_prompt(trained, hf):
     newest = list_checkpoints(trained / "checkpoints")[0]
     script = Path(task.__file__).parents[1] / "scripts/predict.py"
@@ -199,7 +228,10 @@ def test_tensor_parallel_two_by_two_learns_as_one_process_and_resumes(hf, tmp_pa
     ok(python_train(flags(hf, *run, "--model-layout", "data_parallel", "--batch-size", "32",
                           "--checkpoint-dir", "one", "--output-dir", "runs/one"),
                     tmp_path, timeout=300, **OFFLINE))
-    assert summary(tmp_path / "runs/tp")["resumed_from"]
+    # The kill follows step 10's save: the restarted group resumed from it (or a later one saved
+    # meanwhile), with steps left to train.
+    resumed = summary(tmp_path / "runs/tp")["resumed_from"]
+    assert any(resumed.endswith(f"ckpt_step{step:08d}") for step in range(10, 20)), resumed
     for key, steps in (("loss", set(range(2, 21, 2))), ("val_loss", {20})):
         # The restarted run logs again the steps after step 10: the last record of a step counts.
         tp = {m["step"]: m[key] for m in read_metrics(tmp_path / "runs/tp", key)}
@@ -347,7 +379,9 @@ def test_blocks_plan_and_sizes_come_from_the_models_folder(hf):
 
 
 # ---------------------------------------------------------------------- LoRA (--lora-rank)
-LORA = ["--lora-rank", "4", "--lr", "0.01"]
+# data_parallel in a model_layout=tensor_parallel bake too: tensor_parallel has no plan for peft's
+# layers (one line, below).
+LORA = ["--lora-rank", "4", "--lr", "0.01", "--model-layout", "data_parallel"]
 
 
 @pytest.fixture(scope="module")
@@ -417,6 +451,7 @@ def test_lora_exports_merged_or_as_an_adapter_peft_loads(lora_trained, hf, tmp_p
 def test_the_plan_holds_every_weight_and_trains_the_adapters_alone(hf):
     """doctor --plan with --lora-rank: every weight is on the GPU, but only the adapters have
     gradients, AdamW's state (2 copies and a step each) and an EMA copy."""
+    from {{ cookiecutter.package_name }}.ema import EMA
     from {{ cookiecutter.package_name }}.plan import model_line, static_memory
 
     cfg = parse_args(["--model", str(hf / "model"), *LORA, "--ema-decay", "0.99"], task.Settings)
@@ -425,23 +460,27 @@ def test_the_plan_holds_every_weight_and_trains_the_adapters_alone(hf):
     total = sum(p.numel() for p in model.parameters())
     figures = static_memory(cfg, "data_parallel", 2)[0][0]
     assert figures["parameters"] == 4 * total
-    assert figures["gradients"] == figures["EMA weights"] == 4 * sum(adapters)
+    assert figures["gradients"] == 4 * sum(adapters)
+    assert figures["EMA weights"] == sum(a.nbytes for a in EMA(model, 0.99).averages)
     assert figures["optimizer state"] == 8 * sum(adapters) + 4 * len(adapters)
     assert f"{total:,} parameters in {len(list(model.parameters()))} tensors ({sum(adapters):,} " \
            "of them train)" in model_line(model, "AdamW", False)
 
 
 @pytest.mark.full
+@pytest.mark.compile
 def test_lora_compiled_and_checkpointed_layer_by_layer_learns_the_same(lora_trained, hf, tmp_path):
     """--compile and --activation-checkpointing (each decoder layer recomputed in the backward)
-    with the adapters on: the same losses as the plain LoRA run, and the same adapters saved."""
+    with the adapters on: the plain LoRA run's losses, and its adapters alone saved. (Their
+    values differ by some 1e-4: compiled kernels round otherwise, and AdamW's step follows the
+    sign of a gradient near zero.)"""
     ok(torchrun(flags(hf, *LORA, "--compile", "--activation-checkpointing"), tmp_path,
                 timeout=300, **OFFLINE))
     plain = [m["loss"] for m in read_metrics(lora_trained / "runs/latest")]
     assert [m["loss"] for m in read_metrics(tmp_path / "runs/latest")] == pytest.approx(
         plain, rel=1e-4)
-    newest = load_state(list_checkpoints(tmp_path / "checkpoints")[0])["model"]
-    assert newest.keys() == load_state(list_checkpoints(lora_trained / "checkpoints")[0])[
+    saved = load_state(list_checkpoints(tmp_path / "checkpoints")[0])["model"]
+    assert saved.keys() == load_state(list_checkpoints(lora_trained / "checkpoints")[0])[
         "model"].keys()
 
 
