@@ -231,7 +231,7 @@ def test_the_multinode_scripts_arguments_are_one_line_naming_the_argument(tmp_pa
             result.stderr
 
 
-def test_an_endpoint_held_by_another_program_is_one_line_at_once(tmp_path, bin_dir):
+def test_an_endpoint_held_by_another_program_is_one_line_at_once(tmp_path, bin_dir, example_task):
     """A program that accepts connections and never answers, on the head's endpoint: torchrun
     would wait minutes for it, and so did the check for a running job's rendezvous (its store
     client). The probe before torchrun (a store answers a PING at once) says so in one line
@@ -256,7 +256,8 @@ def test_an_endpoint_held_by_another_program_is_one_line_at_once(tmp_path, bin_d
     assert time.monotonic() - started < 5
 
 
-def test_a_running_jobs_endpoint_refuses_a_second_job_and_a_node_too_many(tmp_path, bin_dir):
+def test_a_running_jobs_endpoint_refuses_a_second_job_and_a_node_too_many(tmp_path, bin_dir,
+                                                                          example_task):
     """A 1-node job trains at an endpoint; a second job there (another folder), and a node rank 1
     of 2 aimed at it, are each one line at once, where each waited silently (a spare for that
     job's next round) until torchrun's own timeouts; so is a job of another rendezvous id there,
