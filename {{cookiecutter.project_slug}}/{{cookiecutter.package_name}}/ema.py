@@ -24,12 +24,18 @@ def local_part(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
+def averaged_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """What the EMA averages: each parameter once, by name, but those task.py builds again at
+    every start (doctor --plan counts the same)."""
+    rebuilt = rebuilt_weights(model)
+    return [(name, p) for name, p in model.named_parameters() if name not in rebuilt]
+
+
 class EMA:
     def __init__(self, model: nn.Module, decay: float) -> None:
         """model: the unwrapped model (the names of its state_dict)."""
         self.decay = decay
-        rebuilt = rebuilt_weights(model)
-        averaged = [(name, p) for name, p in model.named_parameters() if name not in rebuilt]
+        averaged = averaged_parameters(model)
         self.names = [name for name, _ in averaged]
         self.params = [p for _, p in averaged]
         self.averages = [local_part(p).detach().float().clone() for p in self.params]

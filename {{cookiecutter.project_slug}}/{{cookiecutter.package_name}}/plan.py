@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from . import task
-from .checkpoint.files import rebuilt_weights
 from .config import LAYOUTS, SHARDED, Config
 from .data import BatchFetcher
+from .ema import averaged_parameters
 from .evaluation import without_validation
 from .failures import ProjectError, UsageError
 from .meters import human_size
@@ -60,8 +60,7 @@ def static_memory(cfg: Config, layout: str, world: int,
     # DDP's buckets hold a gradient copy unless they are views; PowerSGD's error feedback one more.
     copies = (not cfg.gradient_as_bucket_view) + (cfg.comm_hook == "powersgd") if (
         shards == 1 and not sizes) else 0
-    rebuilt = rebuilt_weights(model)  # frozen and rebuilt at every start: not averaged (ema.py)
-    averaged = {id(p) for key, p in model.named_parameters() if key not in rebuilt}
+    averaged = {id(p) for _, p in averaged_parameters(model)}  # not LoRA's frozen base model
     for p in model.parameters():  # each shared parameter once
         gpu = out[owner[id(p)]]
         local = sizes[id(p)] if sizes else rows_on_rank(p, shards)
